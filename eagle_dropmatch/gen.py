@@ -1,0 +1,269 @@
+"""Generate benchmark answers with EAGLE-3 (+ DropMatch) or plain decoding, with timing statistics.
+
+    python -m eagle_dropmatch.gen --bench mt_bench --dropmatch-k 5
+    python -m eagle_dropmatch.gen --model-path TARGET --ea-model-path HEAD --bench mt_bench --dtype bfloat16
+
+Writes one JSON line per question (FastChat / Spec-Bench layout plus ``token_ids`` and per-round
+statistics) and ``<answer-file>.meta.json`` with the run's settings. Answers are flushed as soon as a
+question is complete; running the same command again resumes after the last completed question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+#: settings that must match for a resumed run to continue an answer file.
+RUN_KEYS = ("method", "model_path", "ea_model_path", "draft_model_path", "dtype", "total_token", "depth",
+            "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
+            "dropmatch_protect", "dropmatch_shortlist", "dropmatch_rule", "seed", "max_new_tokens",
+            "conv_template", "system_prompt")
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle_dropmatch.gen", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--model-path", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    a("--ea-model-path", help="EAGLE-3 head folder (default: the head bundled for the embedded target)")
+    a("--bench", default="mt_bench", help="mt_bench, alpaca, gsm8k or humaneval")
+    a("--question-file", help="question jsonl (overrides --bench's file)")
+    a("--data-dir", help="folder holding <bench>/question.jsonl")
+    a("--question-begin", type=int, help="first question index (Python slicing)")
+    a("--question-end", type=int, help="end question index (exclusive)")
+    a("--answer-file", help="output jsonl (default: <bench>/model_answer/<model-id>.jsonl)")
+    a("--model-id", help="name recorded in the answers (default: derived from the settings)")
+    a("--max-new-tokens", type=int, default=512)
+    a("--total-token", type=int, default=32, help="tree nodes including the root (N)")
+    a("--depth", type=int, default=5, help="draft levels (D)")
+    a("--top-k", type=int, default=8, help="children per expanded node (K of the tree)")
+    a("--temperature", type=float, default=0.0)
+    a("--top-p", type=float, default=1.0)
+    a("--sample-top-k", type=int, default=0, help="top-k filter when sampling (0 = off)")
+    a("--dropmatch-k", type=int, default=0, help="DropMatch samples K (0 = lossless EAGLE-3)")
+    a("--dropout-p", type=float, default=0.3, help="DropMatch dropout probability")
+    a("--dropmatch-protect", type=int, default=0, help="largest-|h| dimensions never dropped")
+    a("--dropmatch-shortlist", type=int, default=64,
+      help="at T=0 score samples over the top-M undropped tokens plus the tree (0 = full vocabulary)")
+    a("--seed", type=int, default=0)
+    a("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    a("--device", default="cpu", help="cpu, cuda, cuda:N or auto (accelerate device_map)")
+    a("--baseline", action="store_true", help="plain autoregressive decoding (no draft)")
+    a("--conv-template", help="fschat template name, only for tokenizers without a chat template")
+    a("--system-prompt", help="system message prepended to every conversation")
+    a("--warmup", type=int, default=1, help="warm-up generations before timing (not recorded)")
+    a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    a("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject bad numbers before anything is loaded."""
+    from .loading import LoadError, check_tree_shape, make_decode_config
+    try:
+        check_tree_shape(args.total_token, args.depth, args.top_k)
+        make_decode_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
+                           dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
+                           dropmatch_shortlist=args.dropmatch_shortlist)
+    except LoadError as exc:
+        raise UsageError(str(exc)) from None
+    if args.warmup < 0:
+        raise UsageError(f"warmup must be >= 0, got {args.warmup}")
+
+
+def default_model_id(args: argparse.Namespace) -> str:
+    name = Path(args.model_path).name if args.model_path else "SmolLM2-135M-Instruct"
+    if args.baseline:
+        return f"{name}-baseline-{args.dtype}"
+    tag = f"{name}-eagle3-{args.total_token}-{args.depth}-{args.top_k}"
+    if args.dropmatch_k > 0 and args.dropout_p > 0:
+        tag += f"-dm{args.dropmatch_k}-p{args.dropout_p}"
+        if args.dropmatch_protect:
+            tag += f"-protect{args.dropmatch_protect}"
+    if args.temperature > 0:
+        tag += f"-t{args.temperature}"
+    return f"{tag}-{args.dtype}"
+
+
+def run_settings(args: argparse.Namespace, model_id: str) -> dict:
+    return {
+        "method": "baseline" if args.baseline else "eagle3",
+        "model_id": model_id, "model_path": args.model_path, "ea_model_path": args.ea_model_path,
+        "draft_model_path": None, "bench": args.bench, "question_file": str(args.question_file),
+        "dtype": args.dtype, "device": args.device, "total_token": args.total_token, "depth": args.depth,
+        "top_k": args.top_k, "draft_length": None, "temperature": args.temperature, "top_p": args.top_p,
+        "sample_top_k": args.sample_top_k, "dropmatch_k": args.dropmatch_k, "dropout_p": args.dropout_p,
+        "dropmatch_protect": args.dropmatch_protect, "dropmatch_shortlist": args.dropmatch_shortlist,
+        "dropmatch_rule": "match", "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+        "conv_template": args.conv_template, "system_prompt": args.system_prompt,
+    }
+
+
+def prepare_answer_file(path: Path, settings: dict) -> set:
+    """Check an existing answer file belongs to this run; return the question ids already answered."""
+    meta_path = Path(f"{path}.meta.json")
+    done: set = set()
+    if path.exists() and path.stat().st_size > 0:
+        if not meta_path.exists():
+            raise UsageError(f"{path} exists without {meta_path.name}; it may come from another run: "
+                             "choose another --answer-file")
+        try:
+            previous = json.loads(meta_path.read_text())
+        except json.JSONDecodeError:
+            raise UsageError(f"{meta_path} is not valid JSON") from None
+        differs = [f"{k}: {previous.get(k)!r} != {settings.get(k)!r}" for k in RUN_KEYS
+                   if previous.get(k) != settings.get(k)]
+        if differs:
+            raise UsageError(f"{path} was written by a different run configuration ({'; '.join(differs)}); "
+                             "choose another --answer-file")
+        with path.open() as f:
+            for line in f:
+                try:
+                    done.add(json.loads(line)["question_id"])
+                except (json.JSONDecodeError, KeyError):
+                    continue  # a line cut by an interruption is answered again
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta_path.write_text(json.dumps(settings, indent=2) + "\n")
+    return done
+
+
+def prompt_ids(model, messages: list[dict], args: argparse.Namespace, question_id):
+    """Prompt ids of a conversation, checked against the model's context."""
+    ids = render_prompt(model, messages, args)
+    if len(ids) >= model.decoder.max_positions:
+        raise UsageError(f"question {question_id}: prompt of {len(ids)} tokens is longer than the "
+                         f"model's context of {model.decoder.max_positions}")
+    return ids
+
+
+def render_prompt(model, messages: list[dict], args: argparse.Namespace):
+    """Prompt ids of a conversation: the tokenizer's chat template, or an fschat template."""
+    import torch
+    tokenizer = model.tokenizer
+    if args.conv_template or not getattr(tokenizer, "chat_template", None):
+        if not args.conv_template:
+            raise UsageError("the tokenizer has no chat template: pass --conv-template NAME (fschat)")
+        from fastchat.conversation import get_conv_template
+        conv = get_conv_template(args.conv_template)
+        if args.system_prompt:
+            conv.set_system_message(args.system_prompt)
+        for msg in messages:
+            conv.append_message(conv.roles[0 if msg["role"] == "user" else 1], msg["content"])
+        conv.append_message(conv.roles[1], None)
+        ids = tokenizer(conv.get_prompt(), add_special_tokens=False).input_ids
+        return torch.tensor(ids, dtype=torch.long)
+    return model.chat_ids(messages, system_prompt=args.system_prompt)
+
+
+def generate_turn(model, ids, args: argparse.Namespace):
+    return model.generate(
+        ids, max_new_tokens=args.max_new_tokens, total_token=args.total_token, depth=args.depth,
+        top_k=args.top_k, temperature=args.temperature, top_p=args.top_p, sample_top_k=args.sample_top_k,
+        dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
+        dropmatch_shortlist=args.dropmatch_shortlist, seed=args.seed, baseline=args.baseline)
+
+
+def answer_question(model, question: dict, args: argparse.Namespace) -> dict:
+    """Generate every turn of one question (turn k sees the answers to turns < k)."""
+    messages: list[dict] = []
+    turns, stats = [], {k: [] for k in ("token_ids", "new_tokens", "wall_time", "idxs", "accept_lengths",
+                                        "exact_accept_lengths", "agreement", "accepted_set_size")}
+    for turn in question["turns"]:
+        messages.append({"role": "user", "content": turn})
+        out = generate_turn(model, prompt_ids(model, messages, args, question["question_id"]), args)
+        text = model.tokenizer.decode(out.token_ids, skip_special_tokens=True).strip()
+        messages.append({"role": "assistant", "content": text})
+        turns.append(text)
+        for key, value in (("token_ids", out.token_ids), ("new_tokens", len(out.token_ids)),
+                           ("wall_time", round(out.wall_time, 6)), ("idxs", out.rounds - 1),
+                           ("accept_lengths", out.accept_lengths),
+                           ("exact_accept_lengths", out.exact_accept_lengths),
+                           ("agreement", out.agreement), ("accepted_set_size", out.accepted_set_size)):
+            stats[key].append(value)
+    return {"question_id": question["question_id"], "category": question.get("category"),
+            "answer_id": uuid.uuid4().hex, "model_id": args.model_id, "tstamp": time.time(),
+            "choices": [{"index": 0, "turns": turns, **stats}]}
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    from .loading import LoadError, load
+    from .resources import ResourceError, question_file, read_questions
+    try:
+        qfile = Path(args.question_file) if args.question_file else question_file(args.bench, args.data_dir)
+        questions = read_questions(qfile, args.question_begin, args.question_end)
+    except ResourceError as exc:
+        raise UsageError(str(exc)) from None
+    args.question_file = qfile
+    args.model_id = args.model_id or default_model_id(args)
+    answer_file = Path(args.answer_file or Path(args.bench) / "model_answer" / f"{args.model_id}.jsonl")
+    settings = run_settings(args, args.model_id)
+    done = prepare_answer_file(answer_file, settings)
+    todo = [q for q in questions if q["question_id"] not in done]
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    try:
+        model = load(args.model_path, args.ea_model_path, dtype=args.dtype, device=args.device,
+                     require_head=not args.baseline)
+    except LoadError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"{len(questions)} questions, {len(done)} already answered in {answer_file}, {len(todo)} to go",
+          file=sys.stderr)
+    if todo and args.warmup:
+        warm = argparse.Namespace(**{**vars(args), "max_new_tokens": min(args.max_new_tokens, 32)})
+        for _ in range(args.warmup):
+            first = [{"role": "user", "content": todo[0]["turns"][0]}]
+            generate_turn(model, prompt_ids(model, first, warm, todo[0]["question_id"]), warm)
+    from tqdm import tqdm
+    tokens = rounds = exact_rounds_tokens = 0
+    seconds = 0.0
+    bar = tqdm(todo, disable=args.no_progress, unit="q", file=sys.stderr)
+    with answer_file.open("a") as sink:
+        for question in bar:
+            record = answer_question(model, question, args)
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            os.fsync(sink.fileno())
+            choice = record["choices"][0]
+            tokens += sum(choice["new_tokens"])
+            rounds += sum(i + 1 for i in choice["idxs"])
+            exact_rounds_tokens += sum(sum(x) for x in choice["exact_accept_lengths"])
+            seconds += sum(choice["wall_time"])
+            bar.set_postfix(tok_s=f"{tokens / max(seconds, 1e-9):.1f}", tau=f"{tokens / max(rounds, 1):.2f}")
+    if todo:
+        print(f"{args.model_id}: {tokens} tokens in {seconds:.1f} s = {tokens / max(seconds, 1e-9):.1f} tok/s, "
+              f"tau {tokens / max(rounds, 1):.3f} over {rounds} rounds"
+              + ("" if args.baseline else f" (exact matching on the same trees: "
+                 f"{exact_rounds_tokens / max(rounds, 1):.3f})"), file=sys.stderr)
+    print(f"answers: {answer_file}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: completed answers are saved; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""The generation loop: prefill, speculative rounds (draft, verify, accept, commit), and plain decoding.
+
+``SpeculativeDecoder.generate`` is the whole EAGLE-3 (+ DropMatch) decode; ``generate_baseline`` is plain
+autoregressive decoding through the same body, LM head, sampling and stop rules, so that speed ratios
+compare like with like.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from .acceptance import RULES, DraftView, TargetView, choose_tokens, longest_accepted_path
+from .dropmatch import DropMatchConfig, agreement_counts, sample_tokens
+from .drafters import Drafter
+from .verify import compact_cache, decoder_of, lm_head_logits, target_forward
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Settings of one generation.
+
+    Attributes:
+        max_new_tokens: upper bound on generated tokens.
+        temperature: 0 for greedy; > 0 samples.
+        top_p: nucleus threshold at T > 0.
+        sample_top_k: top-k filter at T > 0 (0 = off).
+        dropmatch: DropMatch settings (k = 0: lossless).
+        seed: seeds the generator used for sampling and dropout masks (reset at every call).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    sample_top_k: int = 0
+    dropmatch: DropMatchConfig = field(default_factory=DropMatchConfig)
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    """One generated turn and its statistics.
+
+    Attributes:
+        token_ids: generated ids, the stop token excluded.
+        accept_lengths: tokens committed per target forward (prefill counts as a round of 1).
+        exact_accept_lengths: what exact matching would have committed on the same trees.
+        wall_time: seconds from the prefill's start to the last commit.
+        stop_reason: "eos", "length" or "context".
+        verified_positions, agreeing_positions, accepted_set_total: DropMatch agreement counts.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    exact_accept_lengths: list[int] = field(default_factory=list)
+    wall_time: float = 0.0
+    stop_reason: str = "length"
+    verified_positions: int = 0
+    agreeing_positions: int = 0
+    accepted_set_total: int = 0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        return len(self.token_ids) / max(self.rounds, 1)
+
+    @property
+    def agreement(self) -> float | None:
+        return self.agreeing_positions / self.verified_positions if self.verified_positions else None
+
+    @property
+    def accepted_set_size(self) -> float | None:
+        return self.accepted_set_total / self.verified_positions if self.verified_positions else None
+
+
+class RoundTimer:
+    """Accumulates wall time per named section (synchronising CUDA at section edges)."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.totals: dict[str, float] = {}
+        self.cuda = torch.device(device).type == "cuda"
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+
+
+class _NoTimer:
+    @staticmethod
+    def section(name: str):
+        return contextlib.nullcontext()
+
+
+def _new_generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class SpeculativeDecoder:
+    """Tree speculative decoding (optionally with DropMatch) over an unmodified HF causal LM.
+
+    Args:
+        target: a transformers causal LM (eval mode).
+        aux_layer_ids: the target ``hidden_states`` indices that feed an EAGLE-3 drafter, or None.
+        eos_token_ids: ids that end a turn.
+    """
+
+    def __init__(self, target: nn.Module, aux_layer_ids: list[int] | None = None,
+                 eos_token_ids: list[int] | tuple[int, ...] = ()):
+        self.target = target
+        self.aux_layer_ids = aux_layer_ids
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.decoder = decoder_of(target)
+        self.lm_head = target.get_output_embeddings()
+        self.device = self.lm_head.weight.device
+        self.max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+
+    # ------------------------------------------------------------------------------- helpers
+
+    def _new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.target.config)
+
+    def _check_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(self.device)
+        if ids.shape[1] == 0:
+            raise ValueError("empty prompt")
+        if ids.shape[1] >= self.max_positions:
+            raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit the model's context of "
+                             f"{self.max_positions}")
+        return ids
+
+    def _commit(self, result: Generation, new_tokens: list[int], exact_len: int,
+                cfg: DecodeConfig) -> bool:
+        """Append a round's tokens; returns True when the turn is finished."""
+        done = False
+        for i, tok in enumerate(new_tokens):
+            if tok in self.eos_token_ids:
+                new_tokens, done, result.stop_reason = new_tokens[:i], True, "eos"
+                break
+        room = cfg.max_new_tokens - len(result.token_ids)
+        if len(new_tokens) >= room:
+            new_tokens = new_tokens[:room]
+            if not done:
+                done, result.stop_reason = True, "length"
+        result.token_ids.extend(new_tokens)
+        result.accept_lengths.append(len(new_tokens))
+        result.exact_accept_lengths.append(min(exact_len, len(new_tokens)))
+        return done
+
+    def _prefill(self, prompt: torch.Tensor, cache, features: bool):
+        positions = torch.arange(prompt.shape[1], device=prompt.device)[None]
+        hidden, feats = target_forward(self.decoder, prompt, positions, cache, None,
+                                       self.aux_layer_ids if features else None)
+        logits = lm_head_logits(self.lm_head, hidden[-1:])  # [1, V]
+        return logits, feats
+
+    # ---------------------------------------------------------------------- plain decoding
+
+    @torch.no_grad()
+    def generate_baseline(self, input_ids, cfg: DecodeConfig) -> Generation:
+        """Plain autoregressive decoding (one target forward per token)."""
+        prompt = self._check_prompt(input_ids)
+        gen = _new_generator(self.device, cfg.seed)
+        result = Generation()
+        start = time.perf_counter()
+        cache = self._new_cache()
+        logits, _ = self._prefill(prompt, cache, features=False)
+        position = prompt.shape[1]
+        while True:
+            token = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [1]
+            if self._commit(result, [int(token)], 1, cfg):
+                break
+            if position + 1 >= self.max_positions:
+                result.stop_reason = "context"
+                break
+            hidden, _ = target_forward(self.decoder, token[None], torch.tensor([[position]], device=self.device),
+                                       cache, None, None)
+            logits = lm_head_logits(self.lm_head, hidden)  # [1, V]
+            position += 1
+        result.wall_time = time.perf_counter() - start
+        return result
+
+    # ------------------------------------------------------------------- speculative decoding
+
+    @torch.no_grad()
+    def generate(self, input_ids, drafter: Drafter, cfg: DecodeConfig,
+                 timer: RoundTimer | None = None) -> Generation:
+        """Speculative decoding; with ``cfg.dropmatch`` active, DropMatch widens acceptance.
+
+        Args:
+            input_ids: the prompt ids ([S] or [1, S]).
+            drafter: proposes the trees (its shape settings are its own).
+            cfg: decoding settings.
+            timer: optional per-section timer (draft, target, lm_head, dropmatch, bookkeeping).
+
+        Returns:
+            The generated turn with per-round statistics.
+        """
+        timer = timer or _NoTimer()
+        dm = cfg.dropmatch
+        rule = RULES[dm.rule] if dm.active else RULES["exact"]
+        aux = self.aux_layer_ids if drafter.needs_features else None
+        prompt = self._check_prompt(input_ids)
+        gen = _new_generator(self.device, cfg.seed)
+        result = Generation()
+        start = time.perf_counter()
+
+        # Prefill: the target reads the prompt and picks the first token; the drafter reads the pairs
+        # (feature of token p, token p + 1) for every prompt position, the new token included.
+        cache = self._new_cache()
+        drafter.reset()
+        with timer.section("target"):
+            positions = torch.arange(prompt.shape[1], device=self.device)[None]
+            hidden, features = target_forward(self.decoder, prompt, positions, cache, None, aux)
+        with timer.section("lm_head"):
+            logits = lm_head_logits(self.lm_head, hidden[-1:])  # [1, V]
+            root = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [1]
+        done = self._commit(result, [int(root)], 1, cfg)
+        prefix = prompt.shape[1]  # committed entries in the target cache (the root is not in it)
+        with timer.section("draft"):
+            drafter.commit(features, torch.cat([prompt[0, 1:], root]))
+
+        while not done and prefix + drafter.max_nodes <= self.max_positions:
+            # 1. Draft a tree of N nodes, root first, depth-major.
+            with timer.section("draft"):
+                tree = drafter.propose(prefix)
+            # 2. Verify: one target forward over the N nodes on top of the committed cache.
+            with timer.section("target"):
+                hidden, features = target_forward(
+                    self.decoder, tree.tokens[None], (prefix + tree.depths)[None], cache,
+                    tree.attention_mask(prefix), aux)  # [N, H], [N, 3H]
+            with timer.section("lm_head"):
+                logits = lm_head_logits(self.lm_head, hidden)  # [N, V]
+                tokens = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
+            target_view = TargetView(logits, tokens)
+            if dm.active:
+                with timer.section("dropmatch"):
+                    rows = tree.has_children.nonzero().flatten()  # [R] nodes whose set can matter
+                    target_view.sample_tokens, target_view.sample_logits = sample_tokens(
+                        hidden, self.lm_head.weight, self.lm_head.bias, logits, rows, tree.tokens, dm,
+                        cfg.temperature, cfg.top_p, cfg.sample_top_k, gen, return_logits=dm.rule == "js")
+            # 3. Accept the longest path whose every token is in its parent's accepted set.
+            with timer.section("bookkeeping"):
+                accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))
+                path = longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
+                                             accept_sets)  # [m + 1], root first
+                exact_len = len(path)
+                if dm.active:
+                    exact_len = len(longest_accepted_path(tree.tokens, tree.parents, tree.depths,
+                                                          tree.ancestors, accept_sets[:, :1]))
+                    counts = agreement_counts(tokens, target_view.sample_tokens,
+                                              path[tree.has_children[path]])
+                    result.verified_positions += counts[0]
+                    result.agreeing_positions += counts[1]
+                    result.accepted_set_total += counts[2]
+                new_tokens = torch.cat([tree.tokens[path[1:]], tokens[path[-1:]]])  # [m + 1]
+                done = self._commit(result, new_tokens.tolist(), exact_len, cfg)
+                # 4. Commit: keep the accepted entries in the target cache; the bonus is the next root.
+                compact_cache(cache, prefix, path)
+                prefix += len(path)
+            if not done:
+                with timer.section("draft"):
+                    drafter.commit(None if features is None else features[path], new_tokens)
+        if not done:
+            result.stop_reason = "context"
+        result.wall_time = time.perf_counter() - start
+        return result

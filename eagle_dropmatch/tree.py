@@ -1,0 +1,164 @@
+"""Dynamic draft trees (EAGLE-2 style, as EAGLE-3 uses them).
+
+Level 1 is the root's top-k draft tokens. Every following level expands the k best frontier nodes, each
+proposing its top-k children scored by cumulative log-probability, and keeps the best k of the k*k as
+the next frontier. After ``depth`` levels the best ``total_token - 1`` candidates plus the root form the
+tree (a parent always scores at least as high as its children, and ties are broken by creation order, so
+the kept set is closed under parents). Nodes are ordered depth-major, the root first. Loops run over
+depth levels only, never over nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .head import DraftCache, Eagle3Head
+
+
+@dataclass
+class DraftTree:
+    """A draft tree of N nodes, root first, depth-major.
+
+    Attributes:
+        tokens: [N] target-vocabulary ids; tokens[0] is the root (the last committed token).
+        parents: [N] index of each node's parent; parents[0] = -1.
+        depths: [N] depth of each node (root 0); the target sees node j at position prev_len + depths[j].
+        ancestors: bool [N, N]; ancestors[i, j] is True when j is i or an ancestor of i.
+        has_children: bool [N].
+        draft_probs: [N, V] the drafter's full-vocabulary distribution each node was drawn from, when
+            the drafter provides it (chains; used by the js rule), else None.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+    has_children: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @classmethod
+    def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor,
+                     max_depth: int | None = None) -> "DraftTree":
+        """Build a tree from tokens and parent indices (nodes depth-major, parents[0] = -1).
+
+        Args:
+            tokens: [N] ids, root first.
+            parents: [N] parent index of each node, -1 for the root.
+            max_depth: an upper bound on the tree's depth (N - 1 when not given); one vectorised
+                pass per level, no host synchronisation.
+        """
+        n = tokens.shape[0]
+        device = tokens.device
+        safe_parents = parents.clamp(min=0)
+        is_child = parents >= 0
+        depths = torch.zeros(n, dtype=torch.long, device=device)
+        ancestors = torch.eye(n, dtype=torch.bool, device=device)
+        for _ in range(n - 1 if max_depth is None else max_depth):
+            depths = torch.where(is_child, depths[safe_parents] + 1, depths)
+            ancestors = ancestors | (ancestors[safe_parents] & is_child[:, None])
+        has_children = torch.zeros(n, dtype=torch.bool, device=device)
+        has_children[safe_parents[1:]] = True
+        return cls(tokens, parents, depths, ancestors, has_children)
+
+    def attention_mask(self, prefix_len: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """[1, 1, N, prefix_len + N] mask: full view of the committed prefix, ancestors in the tree."""
+        n = len(self)
+        prefix = torch.ones(n, prefix_len, dtype=torch.bool, device=self.tokens.device)
+        mask = torch.cat([prefix, self.ancestors], dim=1)[None, None]
+        if dtype == torch.bool:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min)
+
+    def retrieve_indices(self) -> torch.Tensor:
+        """Root-to-leaf paths [num_leaves, max_depth + 1], padded with -1 (the official layout)."""
+        leaves = (~self.has_children).nonzero().flatten()
+        width = int(self.depths.max()) + 1
+        rows = self.ancestors[leaves]  # [leaves, N]; ancestors of a node have increasing indices
+        order = torch.where(rows, torch.arange(len(self), device=rows.device), len(self))
+        order = order.sort(dim=1).values[:, :width]
+        return torch.where(order == len(self), -1, order)
+
+
+def select_tree(cand_tokens: torch.Tensor, cand_scores: torch.Tensor, cand_parents: torch.Tensor,
+                root_token: torch.Tensor, total_token: int, max_depth: int) -> DraftTree:
+    """Keep the best ``total_token - 1`` candidates plus the root as a depth-major tree.
+
+    Args:
+        cand_tokens: [C] target ids of all candidates, in creation order (level by level).
+        cand_scores: [C] cumulative draft log-probabilities.
+        cand_parents: [C] index of each candidate's parent candidate, -1 for children of the root.
+        root_token: [] or [1] the root's id.
+        total_token: N, nodes in the tree including the root.
+        max_depth: the number of draft levels.
+    """
+    keep = min(total_token - 1, cand_tokens.shape[0])
+    order = torch.sort(cand_scores, descending=True, stable=True).indices[:keep]
+    chosen = order.sort().values  # creation order = depth-major, parents before children
+    cand_to_node = torch.full((cand_tokens.shape[0] + 1,), -1, dtype=torch.long,
+                              device=cand_tokens.device)
+    cand_to_node[chosen] = torch.arange(1, keep + 1, device=cand_tokens.device)
+    cand_to_node[-1] = 0  # parent index -1 (the root) maps to node 0
+    parents = torch.cat([torch.tensor([-1], device=cand_tokens.device), cand_to_node[cand_parents[chosen]]])
+    tokens = torch.cat([root_token.reshape(1), cand_tokens[chosen]])
+    return DraftTree.from_parents(tokens, parents, max_depth)
+
+
+@torch.no_grad()
+def draft_tree(head: Eagle3Head, cache: DraftCache, last_hidden: torch.Tensor, root_token: torch.Tensor,
+               next_position: int, total_token: int, depth: int, top_k: int) -> DraftTree:
+    """Grow a dynamic tree from the head's output at the last committed position.
+
+    Args:
+        head: the EAGLE-3 head.
+        cache: the head's KV cache over the committed context; restored to that length on return.
+        last_hidden: [1, 1, H] the head's output for the last context pair (it predicts level 1).
+        root_token: [1] the last committed token (not yet in the target's cache).
+        next_position: draft position of the first tree input (= number of context pairs).
+        total_token, depth, top_k: tree shape N, D, K.
+
+    Returns:
+        The selected DraftTree with N <= total_token nodes.
+    """
+    context_len = len(cache)
+    device = last_hidden.device
+    logp = torch.log_softmax(head.logits(last_hidden[0, -1]).float(), dim=-1)  # [Vd]
+    scores, draft_ids = logp.topk(top_k)  # [K]
+    tokens = head.to_target_ids(draft_ids)
+    all_tokens, all_scores = [tokens], [scores]
+    all_parents = [torch.full((top_k,), -1, dtype=torch.long, device=device)]
+    frontier_ids = torch.arange(top_k, device=device)  # candidate indices of the frontier
+    frontier_hidden = last_hidden[0, -1].expand(top_k, -1)[None]  # [1, K, H] parents' outputs
+    frontier_scores, frontier_tokens = scores, tokens
+    tree_seen = torch.zeros(top_k, 0, dtype=torch.bool, device=device)  # frontier x tree entries
+    n_cands = top_k
+    for level in range(1, depth):
+        # Feed the K frontier nodes: each sees the context, its expanded ancestors and itself.
+        tree_seen = torch.cat([tree_seen, torch.eye(top_k, dtype=torch.bool, device=device)], dim=1)
+        mask = torch.cat([torch.ones(top_k, context_len, dtype=torch.bool, device=device), tree_seen], 1)
+        positions = torch.full((1, top_k), next_position + level - 1, device=device)
+        hidden = head(frontier_hidden, frontier_tokens[None], positions, cache, mask[None, None])
+        logp = torch.log_softmax(head.logits(hidden[0]).float(), dim=-1)  # [K, Vd]
+        child_logp, child_ids = logp.topk(top_k, dim=-1)  # [K, K]
+        child_scores = (frontier_scores[:, None] + child_logp).flatten()  # [K*K]
+        child_tokens = head.to_target_ids(child_ids).flatten()
+        child_parents = frontier_ids.repeat_interleave(top_k)
+        all_tokens.append(child_tokens)
+        all_scores.append(child_scores)
+        all_parents.append(child_parents)
+        # Next frontier: the best K of the K*K children.
+        best = torch.sort(child_scores, descending=True, stable=True).indices[:top_k]
+        parent_slot = best // top_k
+        frontier_ids = n_cands + best
+        frontier_hidden = hidden[:, parent_slot]
+        frontier_scores, frontier_tokens = child_scores[best], child_tokens[best]
+        tree_seen = tree_seen[parent_slot]
+        n_cands += top_k * top_k
+    cache.truncate(context_len)
+    return select_tree(torch.cat(all_tokens), torch.cat(all_scores), torch.cat(all_parents),
+                       root_token, total_token, depth)

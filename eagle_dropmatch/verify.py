@@ -1,0 +1,79 @@
+"""The target side of a round: one forward over the tree on stock transformers, and KV compaction.
+
+Any HF causal LM whose forward takes a 4-D attention mask, explicit position ids and a cache works
+unmodified (Llama, Qwen2, Qwen3, Mistral, ...). The transformer body and the LM head are called
+separately so that DropMatch can reuse the LM-head input.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def decoder_of(target: nn.Module) -> nn.Module:
+    """The transformer body of a causal LM (``target.model`` for Llama-style models)."""
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    if decoder is None or decoder is target:
+        decoder = getattr(target, getattr(target, "base_model_prefix", "model"), None)
+    if decoder is None:
+        raise TypeError(f"{type(target).__name__} exposes no decoder body")
+    return decoder
+
+
+@torch.no_grad()
+def target_forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
+                   attention_mask: torch.Tensor | None,
+                   aux_layer_ids: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the body over S new tokens on top of the cache.
+
+    Args:
+        decoder: the target's body (see ``decoder_of``).
+        input_ids: [1, S].
+        position_ids: [1, S] absolute positions.
+        cache: a transformers ``DynamicCache`` holding the committed prefix; S entries are appended.
+        attention_mask: bool [1, 1, S, prefix + S] (True = attend), or None for causal.
+        aux_layer_ids: which ``hidden_states`` to return as draft features, or None for none.
+
+    Returns:
+        (final hidden [S, H] after the final norm, features [S, 3H] low/mid/high or None).
+    """
+    out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                  cache=cache, use_cache=True,
+                  output_hidden_states=aux_layer_ids is not None)
+    hidden = out.last_hidden_state[0]
+    if aux_layer_ids is None:
+        return hidden, None
+    states = out.hidden_states
+    features = torch.cat([states[i][0].to(hidden.device) for i in aux_layer_ids], dim=-1)
+    return hidden, features
+
+
+def lm_head_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """[S, H] -> [S, V] logits of the undropped head."""
+    return lm_head(hidden)
+
+
+def compact_cache(cache, prefix_len: int, keep: torch.Tensor) -> None:
+    """Keep the tree entries ``keep`` (node indices, ascending) right after the prefix; drop the rest.
+
+    Args:
+        cache: a transformers cache with ``layers[i].keys/values`` of shape [B, kv_heads, T, head_dim].
+        prefix_len: committed entries before the tree.
+        keep: [m] indices into the tree's N entries.
+    """
+    slots = prefix_len + keep
+    new_len = prefix_len + keep.numel()
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name)
+            kept = tensor.index_select(2, slots.to(tensor.device))
+            tensor[:, :, prefix_len:new_len] = kept
+            setattr(layer, name, tensor[:, :, :new_len])
+
+
+def crop_cache(cache, length: int) -> None:
+    """Drop cache entries beyond ``length``."""
+    current = cache.get_seq_length()
+    if current > length:
+        cache.crop(length - current)

@@ -1,0 +1,224 @@
+"""Acceptance rules and the verifier on forced logits (named scenarios), and sampling statistics."""
+
+import pytest
+import torch
+
+from eagle_dropmatch.acceptance import (DraftView, TargetView, choose_tokens, dropmatch_match, exact,
+                                        longest_accepted_path, process_logits, top_k_rule)
+from eagle_dropmatch.dropmatch import DropMatchConfig, agreement_counts, dropout_masks, sample_tokens
+from eagle_dropmatch.tree import DraftTree
+
+V = 10
+
+# A tree of 7 nodes (root first, depth-major):
+#         0 (root)
+#       /   \
+#      1     2
+#     / \     \
+#    3   4     5
+#             /
+#            6
+PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2, 5])
+TOKENS = torch.tensor([9, 1, 2, 3, 4, 5, 6])
+
+
+def forced_logits(next_tokens: list[int]) -> torch.Tensor:
+    """[N, V] logits whose argmax at row j is next_tokens[j] (the target's choice after node j)."""
+    logits = torch.zeros(len(next_tokens), V)
+    logits[torch.arange(len(next_tokens)), torch.tensor(next_tokens)] = 5.0
+    return logits
+
+
+def verify(next_tokens, rule=exact, sample_tokens=None):
+    tree = DraftTree.from_parents(TOKENS, PARENTS)
+    logits = forced_logits(next_tokens)
+    view = TargetView(logits, logits.argmax(-1), sample_tokens)
+    sets = rule(view, DraftView(tree.tokens, tree.parents))
+    path = longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors, sets)
+    bonus = int(view.tokens[path[-1]])
+    return path.tolist(), bonus
+
+
+def test_perfect_match_takes_the_deepest_branch():
+    # root -> 2 -> 5 -> 6 is fully predicted; bonus after node 6 is 7
+    assert verify([2, 0, 5, 0, 0, 6, 7]) == ([0, 2, 5, 6], 7)
+
+
+def test_early_mismatch_accepts_nothing():
+    assert verify([8, 0, 0, 0, 0, 0, 0]) == ([0], 8)
+
+
+def test_mismatch_mid_branch_stops_there():
+    # 0 -> 2 accepted, 2 predicts 7 (not 5): stop at 2, bonus 7
+    assert verify([2, 0, 7, 0, 0, 0, 0]) == ([0, 2], 7)
+
+
+def test_ties_pick_the_lowest_index_branch():
+    # both 0->1->3 and 0->1->4 can't both match; build a tie between depth-2 ends 3 (via 1) and 5 (via 2)
+    # by giving node 0 two acceptable children under DropMatch: sets {1} U {2}
+    samples = torch.full((1, 7), -1)
+    samples[0, 0] = 2
+    path, bonus = verify([1, 3, 5, 0, 0, 0, 0], rule=dropmatch_match, sample_tokens=samples)
+    assert path == [0, 1, 3]  # depth 2 via node 1 (index 3) beats depth 2 via node 2 (index 5)
+    assert bonus == 0
+
+
+def test_padding_never_matches():
+    tree = DraftTree.from_parents(TOKENS, PARENTS)
+    sets = torch.full((7, 3), -1)
+    path = longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors, sets)
+    assert path.tolist() == [0]
+    # a node whose token is -1 is impossible; padding in the middle of a set is ignored
+    sets[0] = torch.tensor([-1, 2, -1])
+    assert longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
+                                 sets).tolist() == [0, 2]
+
+
+def test_dropmatch_sample_opens_a_branch_exact_rejects():
+    samples = torch.full((2, 7), -1)
+    samples[1, 0] = 2   # a sample at the root picks token 2
+    samples[0, 2] = 5   # a sample at node 2 picks token 5
+    exact_path, _ = verify([1, 0, 0, 0, 0, 9, 8])
+    dm_path, bonus = verify([1, 0, 0, 0, 0, 9, 8], rule=dropmatch_match, sample_tokens=samples)
+    assert exact_path == [0, 1]
+    assert dm_path == [0, 2, 5]
+    assert bonus == 9  # the bonus is the undropped token after node 5, never a sample
+
+
+def test_top_k_rule_accepts_runner_up():
+    logits = forced_logits([7, 0, 0, 0, 0, 0, 0])
+    logits[0, 2] = 4.0  # token 2 is the root's runner-up; exact matching accepts nothing
+    tree = DraftTree.from_parents(TOKENS, PARENTS)
+    view = TargetView(logits, logits.argmax(-1))
+    sets = top_k_rule(2)(view, DraftView(tree.tokens, tree.parents))
+    assert longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
+                                 sets).tolist() == [0, 2]
+
+
+def test_rules_are_supersets_of_exact():
+    gen = torch.Generator().manual_seed(0)
+    tree = DraftTree.from_parents(TOKENS, PARENTS)
+    for _ in range(50):
+        logits = torch.randn(7, V, generator=gen)
+        view = TargetView(logits, logits.argmax(-1), torch.randint(0, V, (4, 7), generator=gen))
+        draft = DraftView(tree.tokens, tree.parents)
+        n_exact = len(longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
+                                            exact(view, draft)))
+        for rule in (dropmatch_match, top_k_rule(3)):
+            n = len(longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
+                                          rule(view, draft)))
+            assert n >= n_exact
+
+
+def test_agreement_counts_on_forced_samples():
+    target_tokens = torch.tensor([3, 4, 5, 6])
+    samples = torch.tensor([[3, 4, 1, 6], [3, 2, 1, 6], [3, 4, 5, 6]])  # [K=3, N=4]
+    positions, agree, set_total = agreement_counts(target_tokens, samples, torch.tensor([0, 1, 2]))
+    assert (positions, agree) == (3, 1)  # only position 0 has all samples equal to the target
+    assert set_total == 1 + 2 + 2  # {3}, {4, 2}, {5, 1}
+
+
+def test_sampled_rows_subset_gives_the_same_decisions():
+    gen_data = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 16, generator=gen_data)
+    weight = torch.randn(V, 16, generator=gen_data)
+    logits = hidden @ weight.T
+    cfg = DropMatchConfig(k=4, p=0.3, shortlist=0)
+    all_rows, _ = sample_tokens(hidden, weight, None, logits, torch.arange(7), TOKENS, cfg, 0.0, 1.0, 0,
+                                torch.Generator().manual_seed(3))
+    some_rows, _ = sample_tokens(hidden, weight, None, logits, torch.tensor([0, 2, 5]), TOKENS, cfg, 0.0,
+                                 1.0, 0, torch.Generator().manual_seed(3))
+    assert torch.equal(all_rows[:, [0, 2, 5]], some_rows[:, [0, 2, 5]])
+    assert (some_rows[:, [1, 3, 4, 6]] == -1).all()
+
+
+def test_shortlist_equals_full_vocabulary_when_it_covers_the_vocabulary():
+    gen_data = torch.Generator().manual_seed(1)
+    hidden = torch.randn(7, 16, generator=gen_data)
+    weight = torch.randn(V, 16, generator=gen_data)
+    logits = hidden @ weight.T
+    rows = torch.arange(7)
+    full, _ = sample_tokens(hidden, weight, None, logits, rows, TOKENS, DropMatchConfig(k=5, shortlist=0),
+                            0.0, 1.0, 0, torch.Generator().manual_seed(4))
+    short, _ = sample_tokens(hidden, weight, None, logits, rows, TOKENS, DropMatchConfig(k=5, shortlist=V),
+                             0.0, 1.0, 0, torch.Generator().manual_seed(4))
+    assert torch.equal(full, short)
+
+
+def test_masks_are_inverted_dropout_and_protect_dimensions():
+    hidden = torch.randn(6, 32)
+    hidden[:, 7] = 100.0
+    masks = dropout_masks(8, hidden, 0.5, 1, torch.Generator().manual_seed(0))
+    assert set(masks.unique().tolist()) <= {0.0, 2.0}
+    assert (masks[:, :, 7] == 2.0).all()
+    assert not (dropout_masks(8, hidden, 0.5, 0, torch.Generator().manual_seed(0))[:, :, 7] == 2.0).all()
+
+
+def test_protecting_every_dimension_is_exact():
+    hidden = torch.randn(7, 16)
+    weight = torch.randn(V, 16)
+    logits = hidden @ weight.T
+    cfg = DropMatchConfig(k=5, p=0.3, protect=16, shortlist=0)
+    tokens, _ = sample_tokens(hidden, weight, None, logits, torch.arange(7), TOKENS, cfg, 0.0, 1.0, 0,
+                              torch.Generator().manual_seed(0))
+    # protected everywhere: h_i = h / (1 - p), a positive rescale, so every sample is the argmax
+    assert torch.equal(tokens, logits.argmax(-1).expand(5, -1))
+
+
+def test_process_logits_top_p_and_top_k():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.allclose(process_logits(logits, 1.0, top_p=0.7), torch.tensor([0.625, 0.375, 0, 0]))
+    assert torch.allclose(process_logits(logits, 1.0, top_k=1), torch.tensor([1.0, 0, 0, 0]))
+    assert torch.allclose(process_logits(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+def test_choose_tokens_is_seeded():
+    logits = torch.randn(5, V)
+    a = choose_tokens(logits, 1.0, 1.0, 0, torch.Generator().manual_seed(0))
+    b = choose_tokens(logits, 1.0, 1.0, 0, torch.Generator().manual_seed(0))
+    assert torch.equal(a, b)
+    assert torch.equal(choose_tokens(logits, 0.0, 1.0, 0, None), logits.argmax(-1))
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    n = counts.sum()
+    expected = probs * n
+    keep = expected >= 5
+    rest_e, rest_c = expected[~keep].sum(), counts[~keep].sum()
+    stat = (((counts[keep] - expected[keep]) ** 2) / expected[keep]).sum()
+    cells = int(keep.sum())
+    if rest_e > 0:
+        stat = stat + (rest_c - rest_e) ** 2 / rest_e
+        cells += 1
+    return float(stat), cells - 1
+
+
+def test_sampling_preserves_the_target_distribution():
+    """The joint law of the first two tokens under tree decoding at T=0.9, top-p 0.95 equals the target's."""
+    from conftest import tiny_head, tiny_target
+    from eagle_dropmatch.drafters import Eagle3Drafter
+    from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
+    vocab = 8
+    target = tiny_target(seed=2, vocab=vocab, hidden=32)
+    with torch.no_grad():  # flatten the random target so several tokens carry mass
+        target.lm_head.weight.mul_(0.2)
+    prompt = torch.tensor([1, 5, 3])
+    temperature, top_p = 0.9, 0.95
+    with torch.no_grad():
+        p1 = process_logits(target(prompt[None]).logits[0, -1], temperature, top_p)
+        seqs = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = process_logits(target(seqs).logits[:, -1], temperature, top_p)
+    joint = (p1[:, None] * p2).flatten()
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    drafter = Eagle3Drafter(tiny_head(target, seed=1, std=0.5), 8, 3, 3)
+    runs = 3000
+    counts = torch.zeros(vocab * vocab)
+    accepted_drafts = 0
+    for seed in range(runs):
+        out = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=2, temperature=temperature,
+                                                            top_p=top_p, seed=seed))
+        counts[out.token_ids[0] * vocab + out.token_ids[1]] += 1
+        accepted_drafts += out.accept_lengths[1] > 1 or len(out.accept_lengths) < 3
+    stat, dof = _chi_square(counts, joint)
+    assert accepted_drafts > runs * 0.2  # the draft path is really exercised
+    assert stat < dof + 6 * (2 * dof) ** 0.5, (stat, dof)

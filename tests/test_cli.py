@@ -1,0 +1,144 @@
+"""`python -m eagle_dropmatch.gen` end to end on a tiny saved model: output, resume, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eagle_dropmatch import gen
+
+
+def run_gen(capsys, *argv):
+    code = gen.main([*map(str, argv), "--no-progress", "--dtype", "float32", "--max-new-tokens", "12"])
+    return code, capsys.readouterr().err
+
+
+def base_args(d, answer, *extra):
+    return ["--model-path", d / "target", "--ea-model-path", d / "head", "--question-file",
+            d / "questions.jsonl", "--answer-file", answer, *extra]
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_answers_resume_and_match_baseline(tiny_model_dir, tmp_path, capsys):
+    d = tiny_model_dir
+    answers = tmp_path / "eagle.jsonl"
+    code, err = run_gen(capsys, *base_args(d, answers, "--question-end", 2))
+    assert code == 0, err
+    first = read_lines(answers)
+    assert [r["question_id"] for r in first] == [0, 1]
+    choice = first[0]["choices"][0]
+    assert len(choice["turns"]) == 2 and len(choice["token_ids"]) == 2
+    for t in range(2):
+        assert choice["new_tokens"][t] == len(choice["token_ids"][t]) == sum(choice["accept_lengths"][t])
+        assert choice["idxs"][t] == len(choice["accept_lengths"][t]) - 1
+        assert choice["exact_accept_lengths"][t] == choice["accept_lengths"][t]
+        assert choice["agreement"][t] is None
+    meta = json.loads((tmp_path / "eagle.jsonl.meta.json").read_text())
+    assert meta["method"] == "eagle3" and meta["dropmatch_k"] == 0 and meta["total_token"] == 32
+    # resume: the whole file now; the first two answers are kept untouched
+    code, err = run_gen(capsys, *base_args(d, answers))
+    assert code == 0, err
+    assert "2 already answered" in err
+    resumed = read_lines(answers)
+    assert [r["question_id"] for r in resumed] == [0, 1, 2]
+    assert resumed[:2] == first
+    # the baseline through the same CLI produces the same tokens (fp32 greedy)
+    base = tmp_path / "base.jsonl"
+    code, err = run_gen(capsys, *base_args(d, base, "--baseline"))
+    assert code == 0, err
+    for a, b in zip(resumed, read_lines(base)):
+        assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        assert a["choices"][0]["turns"] == b["choices"][0]["turns"]
+        assert set(b["choices"][0]["accept_lengths"][0]) == {1}
+
+
+def test_dropmatch_run_records_agreement(tiny_model_dir, tmp_path, capsys):
+    answers = tmp_path / "dm.jsonl"
+    code, err = run_gen(capsys, *base_args(tiny_model_dir, answers, "--dropmatch-k", 5, "--question-end", 1))
+    assert code == 0, err
+    choice = read_lines(answers)[0]["choices"][0]
+    assert all(0.0 <= a <= 1.0 for a in choice["agreement"])
+    assert all(a >= e for turn, ex in zip(choice["accept_lengths"], choice["exact_accept_lengths"])
+               for a, e in zip(turn, ex))
+
+
+def test_other_configuration_is_refused_and_file_kept(tiny_model_dir, tmp_path, capsys):
+    answers = tmp_path / "a.jsonl"
+    assert run_gen(capsys, *base_args(tiny_model_dir, answers, "--question-end", 1))[0] == 0
+    before = answers.read_text()
+    code, err = run_gen(capsys, *base_args(tiny_model_dir, answers, "--dropmatch-k", 3))
+    assert code == 2
+    assert "different run configuration" in err and "dropmatch_k" in err
+    assert answers.read_text() == before
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BAD_NUMBERS = [
+    (["--dropmatch-k", "-1"], "dropmatch-k must be >= 0"),
+    (["--dropout-p", "1.0"], "dropout-p must be in [0, 1)"),
+    (["--dropout-p", "-0.1"], "dropout-p must be in [0, 1)"),
+    (["--total-token", "0"], "total_token must be >= 1"),
+    (["--depth", "0"], "depth must be >= 1"),
+    (["--top-k", "0"], "top_k must be >= 1"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD_NUMBERS)
+def test_bad_numbers(tiny_model_dir, tmp_path, capsys, extra, message):
+    code = gen.main([*map(str, base_args(tiny_model_dir, tmp_path / "x.jsonl")), *extra, "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bad_inputs(tiny_model_dir, tmp_path, capsys):
+    d = tiny_model_dir
+    cases = [
+        (["--bench", "nope"], "nope"),
+        (["--question-file", tmp_path / "missing.jsonl"], "question file not found"),
+        (["--question-file", _write(tmp_path, "bad.jsonl", '{"question_id": 1, "turns": ["a"]}\n{oops\n')],
+         "bad.jsonl:2"),
+        (["--question-file", _write(tmp_path, "long.jsonl", json.dumps({"question_id": 1, "turns": ["x" * 600]}))],
+         "longer than the model's context"),
+        (["--ea-model-path", tmp_path / "nohead"], "config.json missing"),
+        (["--model-path", tmp_path / "nomodel"], "target model path not found"),
+    ]
+    for extra, message in cases:
+        argv = [*map(str, base_args(d, tmp_path / "out.jsonl")), *map(str, extra), "--no-progress",
+                "--dtype", "float32", "--max-new-tokens", "4"]
+        if extra[0] == "--bench":
+            argv = [a for a in argv if a not in (str(d / "questions.jsonl"),)]
+            argv.remove("--question-file")
+        code = gen.main(argv)
+        err = capsys.readouterr().err
+        assert code == 2, (extra, err)
+        assert message in err and "Traceback" not in err, (extra, err)
+
+
+def test_head_that_does_not_fit(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "head"
+    bad.mkdir()
+    cfg = json.loads((tiny_model_dir / "head" / "config.json").read_text())
+    cfg["hidden_size"] = 32
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").write_bytes((tiny_model_dir / "head" / "model.safetensors").read_bytes())
+    code, err = run_gen(capsys, "--model-path", tiny_model_dir / "target", "--ea-model-path", bad,
+                        "--question-file", tiny_model_dir / "questions.jsonl", "--answer-file",
+                        tmp_path / "o.jsonl")
+    assert code == 2 and "head expects target hidden size 32" in err and "Traceback" not in err
+
+
+def test_module_entry_point(tiny_model_dir, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "eagle_dropmatch.gen", "--dropout-p", "2"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.strip() == "error: dropout-p must be in [0, 1), got 2.0"

@@ -1,0 +1,145 @@
+"""End-to-end correctness of the decoding loop on tiny random fp32 models."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eagle_dropmatch.drafters import Eagle3Drafter
+from eagle_dropmatch.dropmatch import DropMatchConfig
+from eagle_dropmatch.generate import DecodeConfig, RoundTimer, SpeculativeDecoder
+from eagle_dropmatch.verify import compact_cache, decoder_of, target_forward
+
+from conftest import OracleDrafter, greedy_reference, tiny_head, tiny_target
+
+AUX = [2, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=1)
+
+
+def prompts(n, vocab=96, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen)
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (8, 3, 2), (16, 4, 4), (32, 5, 8), (60, 6, 10)])
+def test_eagle3_greedy_equals_plain_greedy(target, shape):
+    engine = SpeculativeDecoder(target, AUX)
+    drafter = Eagle3Drafter(tiny_head(target, seed=3, draft_vocab=48), *shape)
+    cfg = DecodeConfig(max_new_tokens=40)
+    for prompt in prompts(3):
+        reference = greedy_reference(target, prompt, 40)
+        assert engine.generate_baseline(prompt, cfg).token_ids == reference
+        out = engine.generate(prompt, drafter, cfg)
+        assert out.token_ids == reference
+        assert sum(out.accept_lengths) == len(out.token_ids) == 40
+        assert out.exact_accept_lengths == out.accept_lengths
+
+
+def test_long_accepted_runs_stay_exact(target):
+    engine = SpeculativeDecoder(target, AUX)
+    for i, prompt in enumerate(prompts(4, seed=5)):
+        reference = greedy_reference(target, prompt, 60)
+        drafter = OracleDrafter(reference, depth=6, vocab=96, error_rate=0.3, seed=i)
+        out = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=60))
+        assert out.token_ids == reference
+        assert out.tau > 3.0, out.accept_lengths
+        assert max(out.accept_lengths) == 7  # a whole depth-6 chain plus the bonus token
+
+
+def test_eos_stops_and_is_excluded(target):
+    prompt = prompts(1, seed=2)[0]
+    reference = greedy_reference(target, prompt, 30)
+    stop = reference[17]
+    engine = SpeculativeDecoder(target, AUX, eos_token_ids=[stop])
+    out = engine.generate(prompt, OracleDrafter(reference, 5, 96), DecodeConfig(max_new_tokens=30))
+    assert out.token_ids == reference[:reference.index(stop)]
+    assert out.stop_reason == "eos"
+    assert sum(out.accept_lengths) == len(out.token_ids)
+
+
+def test_context_limit_stops_cleanly():
+    small = tiny_target(seed=4, max_positions=40)
+    engine = SpeculativeDecoder(small, AUX)
+    out = engine.generate(torch.arange(3, 23), Eagle3Drafter(tiny_head(small), 8, 3, 2),
+                          DecodeConfig(max_new_tokens=100))
+    assert out.stop_reason == "context"
+    assert out.token_ids == greedy_reference(small, torch.arange(3, 23), len(out.token_ids))
+    with pytest.raises(ValueError, match="context"):
+        engine.generate(torch.arange(3, 43) % 90 + 3, Eagle3Drafter(tiny_head(small), 8, 3, 2),
+                        DecodeConfig(max_new_tokens=4))
+
+
+@pytest.mark.parametrize("dm", [DropMatchConfig(k=0, p=0.3), DropMatchConfig(k=5, p=0.0)])
+def test_dropmatch_off_is_bit_identical_to_exact(target, dm):
+    engine = SpeculativeDecoder(target, AUX)
+    drafter = Eagle3Drafter(tiny_head(target, seed=3), 16, 4, 4)
+    for temperature in (0.0, 0.8):
+        for prompt in prompts(2, seed=7):
+            exact = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=30, temperature=temperature,
+                                                                  seed=11))
+            off = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=30, temperature=temperature,
+                                                                seed=11, dropmatch=dm))
+            assert off.token_ids == exact.token_ids
+            assert off.accept_lengths == exact.accept_lengths
+            assert off.verified_positions == 0
+
+
+@pytest.mark.parametrize("shortlist", [0, 16])
+def test_dropmatch_never_accepts_less_than_exact_on_the_same_trees(target, shortlist):
+    engine = SpeculativeDecoder(target, AUX)
+    dm = DropMatchConfig(k=5, p=0.3, shortlist=shortlist)
+    gained = 0
+    for i, prompt in enumerate(prompts(3, seed=9)):
+        reference, second = greedy_reference(target, prompt, 40, runner_up=True)
+        drafter = OracleDrafter(reference, depth=5, vocab=96, error_rate=0.8, seed=i, runner_up=second)
+        out = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=40, dropmatch=dm, seed=i))
+        assert all(a >= e for a, e in zip(out.accept_lengths, out.exact_accept_lengths))
+        gained += sum(out.accept_lengths) - sum(out.exact_accept_lengths)
+        assert 0 < out.verified_positions
+        assert 0.0 <= out.agreement <= 1.0 and out.accepted_set_size >= 1.0
+    assert gained > 0  # p = 0.3 on a random target does widen acceptance
+
+
+def test_dropmatch_is_deterministic_for_a_seed(target):
+    engine = SpeculativeDecoder(target, AUX)
+    drafter = Eagle3Drafter(tiny_head(target, seed=3), 16, 4, 4)
+    prompt = prompts(1, seed=3)[0]
+    cfg = DecodeConfig(max_new_tokens=30, dropmatch=DropMatchConfig(k=5, p=0.3), seed=5)
+    a, b = engine.generate(prompt, drafter, cfg), engine.generate(prompt, drafter, cfg)
+    assert a.token_ids == b.token_ids and a.accept_lengths == b.accept_lengths
+
+
+def test_round_timer_sections(target):
+    engine = SpeculativeDecoder(target, AUX)
+    timer = RoundTimer()
+    engine.generate(prompts(1)[0], Eagle3Drafter(tiny_head(target), 16, 4, 4),
+                    DecodeConfig(max_new_tokens=10, dropmatch=DropMatchConfig(k=3, p=0.3)), timer=timer)
+    assert set(timer.totals) == {"draft", "target", "lm_head", "dropmatch", "bookkeeping"}
+    assert all(v > 0 for v in timer.totals.values())
+
+
+def test_kv_compaction_matches_sequential_cache(target):
+    decoder = decoder_of(target)
+    prompt = torch.arange(5, 17)[None]
+    tree_tokens = torch.tensor([40, 41, 42, 43, 44, 45])
+    parents = torch.tensor([-1, 0, 0, 1, 2, 4])
+    depths = torch.tensor([0, 1, 1, 2, 2, 3])
+    from eagle_dropmatch.tree import DraftTree
+    tree = DraftTree.from_parents(tree_tokens, parents)
+    assert tree.depths.tolist() == depths.tolist()
+    cache = DynamicCache(config=target.config)
+    target_forward(decoder, prompt, torch.arange(12)[None], cache, None, None)
+    target_forward(decoder, tree_tokens[None], (12 + depths)[None], cache, tree.attention_mask(12), None)
+    path = torch.tensor([0, 2, 4, 5])
+    compact_cache(cache, 12, path)
+    assert cache.get_seq_length() == 16
+    sequential = DynamicCache(config=target.config)
+    target_forward(decoder, torch.cat([prompt[0], tree_tokens[path]])[None], torch.arange(16)[None],
+                   sequential, None, None)
+    for mine, ref in zip(cache.layers, sequential.layers):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,165 @@
+"""The EAGLE-3 head: official checkpoint format, strict loading, d2t mapping, tree drafting."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle_dropmatch.head import (DraftCache, HeadError, check_aux_layer_ids, default_aux_layer_ids,
+                                  load_head, save_head)
+from eagle_dropmatch.loading import LoadError, attach_head
+from eagle_dropmatch.tree import DraftTree, draft_tree, select_tree
+
+from conftest import tiny_head, tiny_target
+
+OFFICIAL_KEYS = {
+    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
+    "d2t", "t2d"}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=0)
+
+
+def test_save_writes_the_official_layout(target, tmp_path):
+    head = tiny_head(target, draft_vocab=40)
+    save_head(head, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    assert set(state) == OFFICIAL_KEYS
+    assert state["fc.weight"].shape == (64, 3 * 64)
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (64, 2 * 64)
+    assert state["lm_head.weight"].shape == (40, 64)
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 40 and cfg["vocab_size"] == 96
+
+
+def test_round_trip_gives_identical_outputs(target, tmp_path):
+    head = tiny_head(target, draft_vocab=40, std=0.2)
+    save_head(head, tmp_path)
+    loaded = load_head(tmp_path, target.get_input_embeddings(), target_vocab_size=96, target_hidden_size=64)
+    feats, ids, pos = torch.randn(1, 5, 192), torch.randint(0, 96, (1, 5)), torch.arange(5)[None]
+    with torch.no_grad():
+        a = head.logits(head(feats, ids, pos, DraftCache()))
+        b = loaded.logits(loaded(feats, ids, pos, DraftCache()))
+    assert torch.equal(a, b)
+    assert torch.equal(head.d2t, loaded.d2t) and torch.equal(head.t2d, loaded.t2d)
+
+
+def test_loads_layers0_names_and_pytorch_bin(target, tmp_path):
+    head = tiny_head(target, draft_vocab=40)
+    save_head(head, tmp_path / "ref")
+    state = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in state.items() if k != "t2d"}
+    (tmp_path / "alt").mkdir()
+    torch.save(renamed, tmp_path / "alt" / "pytorch_model.bin")
+    (tmp_path / "alt" / "config.json").write_text((tmp_path / "ref" / "config.json").read_text())
+    loaded = load_head(tmp_path / "alt", target.get_input_embeddings())
+    assert torch.equal(loaded.t2d, head.t2d)  # derived from d2t when absent
+    assert torch.equal(loaded.midlayer.mlp.up_proj.weight, head.midlayer.mlp.up_proj.weight)
+
+
+def test_d2t_maps_draft_ids_to_target_ids(target):
+    head = tiny_head(target, draft_vocab=4)
+    ids = torch.tensor([10, 20, 50, 95])
+    head.set_vocab_map(ids)
+    assert head.to_target_ids(torch.arange(4)).tolist() == ids.tolist()
+    assert head.d2t.tolist() == [10, 19, 48, 92]  # offsets, not ids
+    assert head.t2d.sum() == 4 and head.t2d[ids].all()
+
+
+def _corrupt(tmp_path, target, mutate):
+    head = tiny_head(target, draft_vocab=40)
+    save_head(head, tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    mutate(state, cfg)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda s, c: s.pop("midlayer.mlp.up_proj.weight"), "missing key midlayer.mlp.up_proj.weight"),
+    (lambda s, c: s.__setitem__("midlayer.mlp.upp_proj.weight", torch.zeros(1)),
+     "unexpected key midlayer.mlp.upp_proj.weight"),
+    (lambda s, c: s.__setitem__("norm.weight", torch.zeros(65)), "norm.weight has shape"),
+    (lambda s, c: s.pop("d2t"), "no d2t"),
+    (lambda s, c: c.__setitem__("vocab_size", 100), "vocab_size 100"),
+    (lambda s, c: c.__setitem__("target_hidden_size", 32), "target hidden size 32"),
+])
+def test_strict_loading_names_the_problem(target, tmp_path, mutate, message):
+    folder = _corrupt(tmp_path, target, mutate)
+    with pytest.raises(LoadError, match=message):
+        attach_head(target, folder, torch.float32)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path, target):
+    with pytest.raises(HeadError, match="config.json missing"):
+        load_head(tmp_path, target.get_input_embeddings())
+
+
+def test_feature_layers():
+    assert default_aux_layer_ids(32) == [2, 16, 29]
+    with pytest.raises(HeadError, match="3 distinct"):
+        check_aux_layer_ids(default_aux_layer_ids(4), 4)  # [2, 2, 1]
+    with pytest.raises(HeadError, match="3 distinct"):
+        check_aux_layer_ids([1, 2, 9], 8)
+
+
+def test_configured_feature_layers_serve_a_shallow_target(tmp_path):
+    shallow = tiny_target(seed=0, layers=4)
+    head = tiny_head(shallow)
+    head.cfg.aux_layer_ids = [0, 1, 3]
+    save_head(head, tmp_path)
+    _, aux = attach_head(shallow, tmp_path, torch.float32)
+    assert aux == [0, 1, 3]
+    head.cfg.aux_layer_ids = None
+    save_head(head, tmp_path)
+    with pytest.raises(LoadError, match="3 distinct"):
+        attach_head(shallow, tmp_path, torch.float32)
+
+
+def test_select_tree_is_closed_depth_major_and_sized():
+    # candidates: level 1 = [a, b]; level 2 = children of a (2) and b (2)
+    tokens = torch.tensor([10, 11, 12, 13, 14, 15])
+    scores = torch.tensor([-0.1, -0.5, -0.2, -3.0, -0.6, -0.7])
+    parents = torch.tensor([-1, -1, 0, 0, 1, 1])
+    tree = select_tree(tokens, scores, parents, torch.tensor(99), total_token=5, max_depth=2)
+    assert tree.tokens.tolist() == [99, 10, 11, 12, 14]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 2]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2]
+    assert tree.has_children.tolist() == [True, True, True, False, False]
+    assert tree.retrieve_indices().tolist() == [[0, 1, 3], [0, 2, 4]]
+    mask = tree.attention_mask(3)[0, 0]
+    assert mask.shape == (5, 8) and mask[:, :3].all()
+    assert mask[4, 3:].tolist() == [True, False, True, False, True]
+
+
+def test_ties_keep_parents_before_children():
+    # a zero-log-prob child ties its parent; with a budget of one node only the parent may be kept
+    tree = select_tree(torch.tensor([5, 6]), torch.tensor([0.0, 0.0]), torch.tensor([-1, 0]),
+                       torch.tensor(1), total_token=2, max_depth=2)
+    assert tree.tokens.tolist() == [1, 5] and tree.parents.tolist() == [-1, 0]
+
+
+@pytest.mark.parametrize("shape", [(8, 3, 2), (32, 5, 8), (60, 6, 10), (200, 3, 4)])
+def test_draft_tree_shape_and_restores_the_cache(target, shape):
+    n, depth, k = shape
+    head = tiny_head(target, draft_vocab=40, std=0.3)
+    cache = DraftCache()
+    hidden = head(torch.randn(1, 6, 192), torch.randint(0, 96, (1, 6)), torch.arange(6)[None], cache)
+    tree = draft_tree(head, cache, hidden[:, -1:], torch.tensor([7]), 6, n, depth, k)
+    assert len(cache) == 6
+    assert len(tree) == min(n, 1 + k + (depth - 1) * k * k)
+    assert int(tree.depths.max()) <= depth
+    assert bool(tree.ancestors[torch.arange(len(tree)), tree.parents.clamp(min=0)].all())
+    assert torch.isin(tree.tokens[1:], head.to_target_ids(torch.arange(40))).all()
+    rebuilt = DraftTree.from_parents(tree.tokens, tree.parents)
+    assert torch.equal(rebuilt.ancestors, tree.ancestors) and torch.equal(rebuilt.depths, tree.depths)
