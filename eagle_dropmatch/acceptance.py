@@ -15,6 +15,12 @@ against the children. With deterministic drafts (q = 1 on the drafted token) thi
 law of EAGLE's sibling-by-sibling rejection walk: sibling x_i is accepted with probability
 p(x_i) / (1 - sum of earlier siblings' p), and when all are rejected the bonus token is drawn from p with
 the siblings removed, renormalised; matching a single sample from p gives the same probabilities.
+A chain whose drafts were sampled from a draft distribution q (``DraftTree.sampled``: a draft model at
+T > 0) is verified by standard rejection sampling instead, also as a rewrite of the target's tokens
+(``rejection_tokens``), so the verifier stays the same.
+
+Rules: ``exact``; ``dropmatch_match`` (any of the K dropout samples' tokens); ``dropmatch_js`` (Algorithm 1
+of the paper, chains); ``top_k_rule`` (the target's top k). ``make_rule`` picks one by name.
 """
 
 from __future__ import annotations
@@ -35,12 +41,17 @@ class TargetView:
             distribution at T>0. It is also the bonus token when its node ends the accepted path.
         sample_tokens: [K, N] DropMatch sample tokens (-1 at rows that were not computed), or None.
         sample_logits: [K, N, V] DropMatch sample logits where a rule needs distributions (js), or None.
+        temperature, top_p, sample_top_k: the run's sampling settings (rules comparing distributions
+            use the processed ones at T > 0).
     """
 
     logits: torch.Tensor
     tokens: torch.Tensor
     sample_tokens: torch.Tensor | None = None
     sample_logits: torch.Tensor | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    sample_top_k: int = 0
 
 
 @dataclass
@@ -50,8 +61,9 @@ class DraftView:
     Attributes:
         tokens: [N] drafted ids (tokens[0] is the root, already committed).
         parents: [N] parent index of each node, -1 for the root.
-        probs: [N, V] the drafter's distribution at each node's parent (i.e. the one the node was drawn
-            from), full target vocabulary, or None when the drafter gives none (needed by js only).
+        probs: [N, V] the distribution each node was drawn from (the drafter's at the node's parent; row 0
+            unused), full target vocabulary, zero outside the draft's vocabulary; None when the drafter
+            gives none (needed by js only).
     """
 
     tokens: torch.Tensor
@@ -82,6 +94,15 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     return probs
 
 
+def distribution(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                 top_k: int = 0) -> torch.Tensor:
+    """fp32 probabilities [..., V] a token is chosen from: the softmax at T = 0 (greedy takes its argmax),
+    the processed distribution at T > 0."""
+    if temperature <= 0:
+        return torch.softmax(logits.float(), dim=-1)
+    return process_logits(logits, temperature, top_p, top_k)
+
+
 def choose_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
                   generator: torch.Generator | None) -> torch.Tensor:
     """The target's token per row: argmax at T=0, else one sample of the processed distribution."""
@@ -107,63 +128,136 @@ def dropmatch_match(target: TargetView, draft: DraftView) -> torch.Tensor:
 
 
 def top_k_rule(k: int) -> Rule:
-    """Lossy baseline: accept a draft token that is among the target's top-k tokens."""
+    """Lossy baseline: accept a draft token that is among the target's top-k undropped tokens.
+
+    Needs no dropout samples; the target's own token stays in column 0 (at T > 0 it may lie outside the
+    top k).
+    """
     def rule(target: TargetView, draft: DraftView) -> torch.Tensor:
-        top = target.logits.topk(k, dim=-1).indices
+        top = target.logits.topk(min(k, target.logits.shape[-1]), dim=-1).indices
         return torch.cat([target.tokens[:, None], top], dim=1)
     return rule
 
 
-def _js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Jensen-Shannon divergence along the last dim, stable for zero probabilities."""
+def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen-Shannon divergence (nats) along the last dim: [..., V], [..., V] -> [...].
+
+    ``xlogy`` gives 0 * log 0 = 0, and m = (p + q) / 2 > 0 wherever p or q is, so zero probabilities
+    (disjoint supports, top-p truncation) never give NaN; the result lies in [0, ln 2].
+    """
     m = 0.5 * (p + q)
-
-    def kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.where(a > 0, a * (a.clamp_min(1e-30).log() - b.clamp_min(1e-30).log()), 0.0).sum(-1)
-
-    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+    xlogy = torch.special.xlogy
+    return (0.5 * (xlogy(p, p) - xlogy(p, m) + xlogy(q, q) - xlogy(q, m)).sum(-1)).clamp_min(0.0)
 
 
-def js_accepts(sample_logits: torch.Tensor, draft_probs: torch.Tensor,
-               draft_tokens: torch.Tensor) -> torch.Tensor:
-    """DropMatch Algorithm 1 at each position.
+def js_accepts(sample_logits: torch.Tensor, sample_tokens: torch.Tensor, draft_probs: torch.Tensor,
+               draft_tokens: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0) -> torch.Tensor:
+    """DropMatch Algorithm 1 at each of P positions.
+
+    With p_i = dist(l_i) and centroid c = dist(mean_i l_i), accept the drafted token when
+    JS(p_draft || c) <= max_i JS(p_i || c); otherwise accept it when it is the strict majority of the
+    sample tokens y_i, i.e. more than K / 2 of the K samples chose it (a plurality or a tie is not a
+    majority). dist is the softmax at T = 0 and the run's processed distribution (temperature, top-k,
+    top-p) at T > 0, the one tokens are drawn from, as for ``draft_probs``. The majority branch catches
+    heads that collapsed onto one token: identical samples give a JS spread of 0, and they then accept
+    the draft exactly when they all chose it.
 
     Args:
-        sample_logits: [K, N, V] logits of the K dropout samples.
-        draft_probs: [N, V] the drafter's distribution at each position.
-        draft_tokens: [N] the drafted token at each position.
+        sample_logits: [K, P, V] logits of the K dropout samples at the draft's parent positions.
+        sample_tokens: [K, P] the samples' tokens y_i (argmax at T = 0, a draw at T > 0).
+        draft_probs: [P, V] the distribution each drafted token was drawn from (full vocabulary).
+        draft_tokens: [P] the drafted tokens.
+        temperature, top_p, top_k: the run's sampling settings.
 
     Returns:
-        bool [N]: JS(draft || centroid) <= max_i JS(sample_i || centroid), or else the majority of the
-        sample tokens equals the drafted token.
+        bool [P].
     """
-    centroid = torch.softmax(sample_logits.float().mean(0), dim=-1)  # [N, V]
-    sample_probs = torch.softmax(sample_logits.float(), dim=-1)  # [K, N, V]
-    spread = _js_divergence(sample_probs, centroid[None]).max(0).values  # [N]
-    js_draft = _js_divergence(draft_probs.float(), centroid)  # [N]
-    sample_tokens = sample_logits.argmax(-1)  # [K, N]
-    k = sample_tokens.shape[0]
-    votes = (sample_tokens == draft_tokens[None]).sum(0)
-    # majority: the drafted token is the most frequent sample token (ties count as a majority)
-    counts = torch.stack([(sample_tokens == sample_tokens[i][None]).sum(0) for i in range(k)])
-    majority = votes >= counts.max(0).values
-    return (js_draft <= spread) | majority
+    centroid = distribution(sample_logits.float().mean(0), temperature, top_p, top_k)  # [P, V]
+    spread = js_divergence(distribution(sample_logits, temperature, top_p, top_k), centroid[None])  # [K, P]
+    js_draft = js_divergence(draft_probs.float(), centroid)  # [P]
+    votes = (sample_tokens == draft_tokens[None]).sum(0)  # [P]
+    return (js_draft <= spread.max(0).values) | (2 * votes > sample_tokens.shape[0])
 
 
 def dropmatch_js(target: TargetView, draft: DraftView) -> torch.Tensor:
-    """DropMatch JS criterion for chains: node j joins its parent's set when Algorithm 1 accepts it."""
+    """DropMatch JS criterion (Algorithm 1): node j joins its parent's set when ``js_accepts`` says so.
+
+    Meant for chains (one distribution per position, as in standard speculative decoding); the sets are
+    built per child, so a branching tree is still handled correctly. With no dropout samples (K = 0) it
+    is exact matching.
+
+    Returns:
+        [N, N] accept sets: column 0 the target's token, column c the child node c (c >= 1) when the
+        node is its parent's child and accepted, else -1.
+
+    Raises:
+        ValueError: the drafter gave no distributions (``DraftTree.draft_probs`` is None).
+    """
     base = target.tokens[:, None]
-    if target.sample_logits is None or draft.probs is None:
+    n = draft.tokens.shape[0]
+    if target.sample_logits is None or n == 1:
         return base
-    parents = draft.parents.clamp(min=0)
-    accepted = js_accepts(target.sample_logits[:, parents], draft.probs, draft.tokens)  # [N] per child
-    accepted[0] = False
-    extra = torch.full_like(target.tokens, -1)
-    extra[parents[accepted]] = draft.tokens[accepted]  # chains: one child per parent
-    return torch.cat([base, extra[:, None]], dim=1)
+    if draft.probs is None:
+        raise ValueError("the js rule needs the drafter's distributions: use a chain drafter that records "
+                         "draft_probs (ModelDrafter or Eagle3Drafter with top_k 1, draft_probs=True)")
+    parents = draft.parents[1:]  # [N-1]
+    ok = js_accepts(target.sample_logits[:, parents], target.sample_tokens[:, parents], draft.probs[1:],
+                    draft.tokens[1:], target.temperature, target.top_p, target.sample_top_k)  # [N-1]
+    is_child = parents[None, :] == torch.arange(n, device=parents.device)[:, None]  # [N, N-1]
+    extra = torch.where(is_child & ok[None], draft.tokens[None, 1:], -1)
+    return torch.cat([base, extra], dim=1)
 
 
 RULES: dict[str, Rule] = {"exact": exact, "match": dropmatch_match, "js": dropmatch_js}
+
+
+def make_rule(name: str, top_k: int = 2) -> Rule:
+    """The rule called ``name``: "exact", "match", "js" or "topk" (with ``top_k``)."""
+    if name == "topk":
+        return top_k_rule(top_k)
+    if name not in RULES:
+        raise ValueError(f"unknown acceptance rule {name!r}; choose one of exact, match, js, topk")
+    return RULES[name]
+
+
+# -------------------------------------------------------------------- draft-model rejection sampling
+
+def rejection_tokens(logits: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor,
+                     draft_probs: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token at each node of a chain whose drafts were sampled (standard rejection sampling).
+
+    Leviathan et al.: the child x ~ q of node j is accepted with probability min(1, p(x) / q(x)), else the
+    node's token is drawn from norm(max(0, p - q)); a node without a child draws from p. The token is thus
+    distributed as p at every node, and equals x exactly when x is accepted, so exact matching against
+    these tokens (``exact``) is lossless rejection sampling, and lossy rules only add to it.
+
+    Args:
+        logits: [N, V] the target's raw logits.
+        draft_tokens: [N] the chain's tokens (root first).
+        parents: [N] parent indices (each node has at most one child).
+        draft_probs: [N, V] the distribution each node was drawn from (row 0 unused).
+        temperature, top_p, top_k: the run's sampling settings (T > 0).
+        generator: seeded generator on the logits' device.
+
+    Returns:
+        [N] int64 tokens.
+    """
+    p = process_logits(logits, temperature, top_p, top_k)  # [N, V]
+    n = draft_tokens.shape[0]
+    child = torch.zeros(n, dtype=torch.long, device=p.device)
+    child[parents[1:]] = torch.arange(1, n, device=p.device)
+    has_child = child > 0
+    x = draft_tokens[child]  # [N] the child's token (the root's own token where there is none)
+    q = draft_probs[child].float()  # [N, V]
+    px, qx = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]
+    u = torch.rand(n, generator=generator, device=p.device)
+    accept = has_child & (u * qx < px)  # u < p(x) / q(x) without dividing
+    residual = torch.where(has_child[:, None], (p - q).clamp_min(0.0), p)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)  # p == q: never rejected
+    fallback = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    return torch.where(accept, x, fallback)
 
 
 # ----------------------------------------------------------------------------------- verifier

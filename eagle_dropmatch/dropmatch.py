@@ -32,7 +32,9 @@ class DropMatchConfig:
         protect: the ``protect`` largest-|h| dimensions of each hidden state are never dropped.
         shortlist: at T = 0, score samples over the undropped top-``shortlist`` tokens plus the tree's
             tokens (0 = full vocabulary).
-        rule: "match" (naive token matching) or "js" (Algorithm 1, chains only).
+        rule: "match" (naive token matching), "js" (Algorithm 1, chains only) or "topk" (the lossy
+            baseline: the target's top ``rule_top_k`` tokens; it needs no samples, so K and p are unused).
+        rule_top_k: k of the "topk" rule.
     """
 
     k: int = 0
@@ -40,10 +42,17 @@ class DropMatchConfig:
     protect: int = 0
     shortlist: int = 64
     rule: str = "match"
+    rule_top_k: int = 2
 
     @property
     def active(self) -> bool:
-        return self.k > 0 and self.p > 0
+        """Whether dropout samples are drawn (a sample rule with K > 0 and p > 0)."""
+        return self.k > 0 and self.p > 0 and self.rule in ("match", "js")
+
+    @property
+    def lossy(self) -> bool:
+        """Whether a lossy rule widens acceptance (off: exact matching, bit for bit)."""
+        return self.active or self.rule == "topk"
 
 
 def dropout_masks(k: int, hidden: torch.Tensor, p: float, protect: int,

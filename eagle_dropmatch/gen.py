@@ -1,7 +1,9 @@
-"""Generate benchmark answers with EAGLE-3 (+ DropMatch) or plain decoding, with timing statistics.
+"""Generate benchmark answers with EAGLE-3 or a draft model (+ DropMatch) or plain decoding, with timing.
 
     python -m eagle_dropmatch.gen --bench mt_bench --dropmatch-k 5
     python -m eagle_dropmatch.gen --model-path TARGET --ea-model-path HEAD --bench mt_bench --dtype bfloat16
+    python -m eagle_dropmatch.gen --model-path TARGET --draft-model-path DRAFT --draft-length 5 \
+        --dropmatch-k 5 --dropmatch-rule js
 
 Writes one JSON line per question (FastChat / Spec-Bench layout plus ``token_ids`` and per-round
 statistics) and ``<answer-file>.meta.json`` with the run's settings. Answers are flushed as soon as a
@@ -22,7 +24,7 @@ from pathlib import Path
 RUN_KEYS = ("method", "model_path", "ea_model_path", "draft_model_path", "dtype", "total_token", "depth",
             "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
             "dropmatch_protect", "dropmatch_shortlist", "dropmatch_rule", "seed", "max_new_tokens",
-            "conv_template", "system_prompt")
+            "conv_template", "system_prompt", "rule_top_k")
 
 
 class UsageError(Exception):
@@ -34,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--model-path", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     a("--ea-model-path", help="EAGLE-3 head folder (default: the head bundled for the embedded target)")
+    a("--draft-model-path", help="a draft causal LM sharing the target's tokenizer: standard speculative "
+      "decoding with chains of --draft-length tokens instead of EAGLE-3")
+    a("--draft-length", type=int, default=5, help="draft tokens per round with --draft-model-path (L)")
     a("--bench", default="mt_bench", help="mt_bench, alpaca, gsm8k or humaneval")
     a("--question-file", help="question jsonl (overrides --bench's file)")
     a("--data-dir", help="folder holding <bench>/question.jsonl")
@@ -53,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dropmatch-protect", type=int, default=0, help="largest-|h| dimensions never dropped")
     a("--dropmatch-shortlist", type=int, default=64,
       help="at T=0 score samples over the top-M undropped tokens plus the tree (0 = full vocabulary)")
+    a("--dropmatch-rule", default="match", choices=["match", "js", "topk"],
+      help="lossy acceptance: match (any sample's token), js (Algorithm 1; chains: --draft-model-path or "
+      "--top-k 1), topk (the target's top --rule-top-k tokens; needs no samples, on even with K 0)")
+    a("--rule-top-k", type=int, default=2, help="k of --dropmatch-rule topk")
     a("--seed", type=int, default=0)
     a("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     a("--device", default="cpu", help="cpu, cuda, cuda:N or auto (accelerate device_map)")
@@ -67,43 +76,68 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Reject bad numbers before anything is loaded."""
-    from .loading import LoadError, check_tree_shape, make_decode_config
+    from .loading import (LoadError, check_draft_length, check_rule_shape, check_tree_shape,
+                          make_decode_config)
+    if args.draft_model_path and (args.ea_model_path or args.baseline):
+        raise UsageError("--draft-model-path (standard speculative decoding) excludes --ea-model-path and "
+                         "--baseline")
     try:
         check_tree_shape(args.total_token, args.depth, args.top_k)
+        check_draft_length(args.draft_length)
+        if not args.draft_model_path and not args.baseline:
+            check_rule_shape(args.dropmatch_rule, args.top_k)
         make_decode_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
                            dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
-                           dropmatch_shortlist=args.dropmatch_shortlist)
+                           dropmatch_shortlist=args.dropmatch_shortlist, dropmatch_rule=args.dropmatch_rule,
+                           rule_top_k=args.rule_top_k)
     except LoadError as exc:
         raise UsageError(str(exc)) from None
     if args.warmup < 0:
         raise UsageError(f"warmup must be >= 0, got {args.warmup}")
 
 
+def method_of(args: argparse.Namespace) -> str:
+    return "baseline" if args.baseline else "sd" if args.draft_model_path else "eagle3"
+
+
 def default_model_id(args: argparse.Namespace) -> str:
     name = Path(args.model_path).name if args.model_path else "SmolLM2-135M-Instruct"
     if args.baseline:
         return f"{name}-baseline-{args.dtype}"
-    tag = f"{name}-eagle3-{args.total_token}-{args.depth}-{args.top_k}"
-    if args.dropmatch_k > 0 and args.dropout_p > 0:
+    if args.draft_model_path:
+        tag = f"{name}-sd-{Path(args.draft_model_path).name}-L{args.draft_length}"
+    else:
+        tag = f"{name}-eagle3-{args.total_token}-{args.depth}-{args.top_k}"
+    if args.dropmatch_rule == "topk":
+        tag += f"-top{args.rule_top_k}"
+    elif args.dropmatch_k > 0 and args.dropout_p > 0:
         tag += f"-dm{args.dropmatch_k}-p{args.dropout_p}"
         if args.dropmatch_protect:
             tag += f"-protect{args.dropmatch_protect}"
+        if args.dropmatch_rule != "match":
+            tag += f"-{args.dropmatch_rule}"
     if args.temperature > 0:
         tag += f"-t{args.temperature}"
     return f"{tag}-{args.dtype}"
 
 
 def run_settings(args: argparse.Namespace, model_id: str) -> dict:
+    """The meta record. A draft-model run is a chain: total_token L + 1, depth L, top_k 1."""
+    sd = method_of(args) == "sd"
+    length = args.draft_length
     return {
-        "method": "baseline" if args.baseline else "eagle3",
+        "method": method_of(args),
         "model_id": model_id, "model_path": args.model_path, "ea_model_path": args.ea_model_path,
-        "draft_model_path": None, "bench": args.bench, "question_file": str(args.question_file),
-        "dtype": args.dtype, "device": args.device, "total_token": args.total_token, "depth": args.depth,
-        "top_k": args.top_k, "draft_length": None, "temperature": args.temperature, "top_p": args.top_p,
+        "draft_model_path": args.draft_model_path, "bench": args.bench, "question_file": str(args.question_file),
+        "dtype": args.dtype, "device": args.device, "total_token": length + 1 if sd else args.total_token,
+        "depth": length if sd else args.depth, "top_k": 1 if sd else args.top_k,
+        "draft_length": length if sd else None, "temperature": args.temperature, "top_p": args.top_p,
         "sample_top_k": args.sample_top_k, "dropmatch_k": args.dropmatch_k, "dropout_p": args.dropout_p,
         "dropmatch_protect": args.dropmatch_protect, "dropmatch_shortlist": args.dropmatch_shortlist,
-        "dropmatch_rule": "match", "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+        "dropmatch_rule": args.dropmatch_rule,
+        "rule_top_k": args.rule_top_k if args.dropmatch_rule == "topk" else None,
+        "seed": args.seed, "max_new_tokens": args.max_new_tokens,
         "conv_template": args.conv_template, "system_prompt": args.system_prompt,
     }
 
@@ -166,10 +200,12 @@ def render_prompt(model, messages: list[dict], args: argparse.Namespace):
 
 def generate_turn(model, ids, args: argparse.Namespace):
     return model.generate(
-        ids, max_new_tokens=args.max_new_tokens, total_token=args.total_token, depth=args.depth,
-        top_k=args.top_k, temperature=args.temperature, top_p=args.top_p, sample_top_k=args.sample_top_k,
-        dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
-        dropmatch_shortlist=args.dropmatch_shortlist, seed=args.seed, baseline=args.baseline)
+        ids, max_new_tokens=args.max_new_tokens, method=method_of(args), total_token=args.total_token,
+        depth=args.depth, top_k=args.top_k, draft_length=args.draft_length, temperature=args.temperature,
+        top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
+        dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
+        dropmatch_shortlist=args.dropmatch_shortlist, dropmatch_rule=args.dropmatch_rule,
+        rule_top_k=args.rule_top_k, seed=args.seed)
 
 
 def answer_question(model, question: dict, args: argparse.Namespace) -> dict:
@@ -216,8 +252,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
         torch.set_num_threads(args.threads)
     try:
-        model = load(args.model_path, args.ea_model_path, dtype=args.dtype, device=args.device,
-                     require_head=not args.baseline)
+        model = load(args.model_path, args.ea_model_path, draft_model_path=args.draft_model_path,
+                     dtype=args.dtype, device=args.device,
+                     require_head=method_of(args) == "eagle3")
     except LoadError as exc:
         raise UsageError(str(exc)) from None
     print(f"{len(questions)} questions, {len(done)} already answered in {answer_file}, {len(todo)} to go",
@@ -246,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     if todo:
         print(f"{args.model_id}: {tokens} tokens in {seconds:.1f} s = {tokens / max(seconds, 1e-9):.1f} tok/s, "
               f"tau {tokens / max(rounds, 1):.3f} over {rounds} rounds"
-              + ("" if args.baseline else f" (exact matching on the same trees: "
+              + ("" if args.baseline else f" (exact matching on the same drafts: "
                  f"{exact_rounds_tokens / max(rounds, 1):.3f})"), file=sys.stderr)
     print(f"answers: {answer_file}", file=sys.stderr)
     return 0

@@ -1,6 +1,7 @@
 """The generation loop: prefill, speculative rounds (draft, verify, accept, commit), and plain decoding.
 
-``SpeculativeDecoder.generate`` is the whole EAGLE-3 (+ DropMatch) decode; ``generate_baseline`` is plain
+``SpeculativeDecoder.generate`` is the whole speculative decode for every drafter (EAGLE-3 trees and
+chains, draft-model chains) and every acceptance rule; ``generate_baseline`` is plain
 autoregressive decoding through the same body, LM head, sampling and stop rules, so that speed ratios
 compare like with like.
 """
@@ -15,7 +16,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .acceptance import RULES, DraftView, TargetView, choose_tokens, longest_accepted_path
+from .acceptance import (DraftView, TargetView, choose_tokens, exact, longest_accepted_path, make_rule,
+                         rejection_tokens)
 from .dropmatch import DropMatchConfig, agreement_counts, sample_tokens
 from .drafters import Drafter
 from .verify import compact_cache, decoder_of, lm_head_logits, target_forward
@@ -198,7 +200,7 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, input_ids, drafter: Drafter, cfg: DecodeConfig,
                  timer: RoundTimer | None = None) -> Generation:
-        """Speculative decoding; with ``cfg.dropmatch`` active, DropMatch widens acceptance.
+        """Speculative decoding; a lossy rule in ``cfg.dropmatch`` (DropMatch match / js, top-k) widens acceptance.
 
         Args:
             input_ids: the prompt ids ([S] or [1, S]).
@@ -211,7 +213,7 @@ class SpeculativeDecoder:
         """
         timer = timer or _NoTimer()
         dm = cfg.dropmatch
-        rule = RULES[dm.rule] if dm.active else RULES["exact"]
+        rule = make_rule(dm.rule, dm.rule_top_k) if dm.lossy else exact
         aux = self.aux_layer_ids if drafter.needs_features else None
         prompt = self._check_prompt(input_ids)
         gen = _new_generator(self.device, cfg.seed)
@@ -222,6 +224,7 @@ class SpeculativeDecoder:
         # (feature of token p, token p + 1) for every prompt position, the new token included.
         cache = self._new_cache()
         drafter.reset()
+        drafter.start(prompt[0])
         with timer.section("target"):
             positions = torch.arange(prompt.shape[1], device=self.device)[None]
             hidden, features = target_forward(self.decoder, prompt, positions, cache, None, aux)
@@ -244,8 +247,13 @@ class SpeculativeDecoder:
                     tree.attention_mask(prefix), aux)  # [N, H], [N, 3H]
             with timer.section("lm_head"):
                 logits = lm_head_logits(self.lm_head, hidden)  # [N, V]
-                tokens = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
-            target_view = TargetView(logits, tokens)
+                if cfg.temperature > 0 and tree.sampled:  # drafts drawn from q: rejection sampling
+                    tokens = rejection_tokens(logits, tree.tokens, tree.parents, tree.draft_probs,
+                                              cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
+                else:
+                    tokens = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
+            target_view = TargetView(logits, tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                     sample_top_k=cfg.sample_top_k)
             if dm.active:
                 with timer.section("dropmatch"):
                     rows = tree.has_children.nonzero().flatten()  # [R] nodes whose set can matter
@@ -258,9 +266,10 @@ class SpeculativeDecoder:
                 path = longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
                                              accept_sets)  # [m + 1], root first
                 exact_len = len(path)
-                if dm.active:
+                if dm.lossy:
                     exact_len = len(longest_accepted_path(tree.tokens, tree.parents, tree.depths,
                                                           tree.ancestors, accept_sets[:, :1]))
+                if dm.active:
                     counts = agreement_counts(tokens, target_view.sample_tokens,
                                               path[tree.has_children[path]])
                     result.verified_positions += counts[0]

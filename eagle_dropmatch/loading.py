@@ -7,6 +7,10 @@
     print(model.tokenizer.decode(out.token_ids), out.tau, out.accept_lengths)
 
 With no paths, the embedded default (SmolLM2-135M-Instruct and the head bundled for it) is used.
+Standard speculative decoding with a separate draft model that shares the target's tokenizer:
+
+    model = load(TARGET, draft_model_path=DRAFT)
+    out = model.generate(ids, draft_length=5, dropmatch_k=5, dropmatch_rule="js")
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from pathlib import Path
 
 import torch
 
-from .drafters import Eagle3Drafter
+from .draft_model import DraftModelError, ModelDrafter, check_tokenizers
+from .drafters import Drafter, Eagle3Drafter
 from .dropmatch import DropMatchConfig
 from .generate import DecodeConfig, Generation, RoundTimer, SpeculativeDecoder
 from .head import Eagle3Head, HeadError, check_aux_layer_ids, default_aux_layer_ids, load_head
 
+RULE_NAMES = ("match", "js", "topk")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUNDLED_HEADS_DIR = Path(__file__).parent / "heads"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -45,13 +51,14 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_target(model_path: str | Path, dtype: torch.dtype, device: str):
+def load_target(model_path: str | Path, dtype: torch.dtype, device: str, role: str = "target"):
     """A transformers causal LM and its tokenizer, offline, in eval mode.
 
     Args:
         model_path: a local folder (or a hub id already in the local cache).
         dtype: weights dtype.
         device: "cpu", "cuda", "cuda:1", ... or "auto" (accelerate's device_map over all GPUs).
+        role: "target" or "draft model" (for error messages).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     kwargs = {"dtype": dtype, "local_files_only": True}
@@ -62,7 +69,7 @@ def load_target(model_path: str | Path, dtype: torch.dtype, device: str):
         target = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LoadError(f"cannot load target {model_path}: {first}") from None
+        raise LoadError(f"cannot load {role} {model_path}: {first}") from None
     if device != "auto":
         target.to(device)
     check_target(target)
@@ -93,19 +100,22 @@ def eos_ids(target, tokenizer) -> list[int]:
 
 @dataclass
 class EagleModel:
-    """A loaded target (and head): generate with EAGLE-3, EAGLE-3 + DropMatch or plain decoding.
+    """A loaded target (and head or draft model): generate with EAGLE-3, standard speculative decoding
+    with a draft model (each + DropMatch or top-k) or plain decoding.
 
     Attributes:
         target: the transformers causal LM.
         tokenizer: its tokenizer.
-        head: the EAGLE-3 head, or None (plain decoding only).
+        head: the EAGLE-3 head, or None.
         decoder: the engine over ``target``.
+        draft: a draft causal LM sharing the tokenizer, or None.
     """
 
     target: object
     tokenizer: object
     head: Eagle3Head | None
     decoder: SpeculativeDecoder
+    draft: object | None = None
 
     def chat_ids(self, messages: list[dict], system_prompt: str | None = None) -> torch.Tensor:
         """Token ids [S] of a conversation rendered with the tokenizer's chat template."""
@@ -117,23 +127,50 @@ class EagleModel:
             ids = ids["input_ids"]
         return torch.as_tensor(ids, dtype=torch.long).reshape(-1)
 
-    def generate(self, input_ids, *, max_new_tokens: int = 256, total_token: int = 32, depth: int = 5,
-                 top_k: int = 8, temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
+    def generate(self, input_ids, *, max_new_tokens: int = 256, method: str | None = None,
+                 total_token: int = 32, depth: int = 5, top_k: int = 8, draft_length: int = 5,
+                 temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
                  dropmatch_k: int = 0, dropout_p: float = 0.3, dropmatch_protect: int = 0,
-                 dropmatch_shortlist: int = 64, seed: int = 0, baseline: bool = False,
-                 timer: RoundTimer | None = None) -> Generation:
-        """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics."""
+                 dropmatch_shortlist: int = 64, dropmatch_rule: str = "match", rule_top_k: int = 2,
+                 seed: int = 0, baseline: bool = False, timer: RoundTimer | None = None) -> Generation:
+        """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
+
+        ``method``: "eagle3" (tree N/D/K = total_token/depth/top_k; top_k 1 is chain mode), "sd" (the
+        draft model, chains of ``draft_length``) or "baseline"; default "sd" when a draft model is
+        loaded, else "eagle3". ``dropmatch_rule``: "match", "js" (chains only) or "topk"
+        (``rule_top_k``). Every lossy setting is lossy even at temperature 0.
+        """
         cfg = make_decode_config(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  sample_top_k=sample_top_k, dropmatch_k=dropmatch_k, dropout_p=dropout_p,
-                                 dropmatch_protect=dropmatch_protect,
-                                 dropmatch_shortlist=dropmatch_shortlist, seed=seed)
-        if baseline:
+                                 dropmatch_protect=dropmatch_protect, dropmatch_shortlist=dropmatch_shortlist,
+                                 dropmatch_rule=dropmatch_rule, rule_top_k=rule_top_k, seed=seed)
+        method = "baseline" if baseline else method or ("sd" if self.draft is not None else "eagle3")
+        if method == "baseline":
             return self.decoder.generate_baseline(input_ids, cfg)
+        drafter = self.drafter(method, cfg, total_token=total_token, depth=depth, top_k=top_k,
+                               draft_length=draft_length)
+        return self.decoder.generate(input_ids, drafter, cfg, timer=timer)
+
+    def drafter(self, method: str, cfg: DecodeConfig, *, total_token: int = 32, depth: int = 5,
+                top_k: int = 8, draft_length: int = 5) -> Drafter:
+        """The drafter of ``method`` ("eagle3" or "sd") for the settings ``cfg`` (checked)."""
+        dm = cfg.dropmatch
+        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, sample_top_k=cfg.sample_top_k)
+        if method == "sd":
+            if self.draft is None:
+                raise LoadError("no draft model is loaded; pass draft_model_path")
+            check_draft_length(draft_length)
+            return ModelDrafter(self.draft, draft_length, draft_probs=dm.active and dm.rule == "js",
+                                vocab_size=self.target.get_output_embeddings().weight.shape[0],
+                                seed=cfg.seed, **sampling)
+        if method != "eagle3":
+            raise LoadError(f"unknown method {method!r}; choose eagle3, sd or baseline")
         if self.head is None:
             raise LoadError("no EAGLE-3 head is loaded; pass ea_model_path or use baseline=True")
         check_tree_shape(total_token, depth, top_k)
-        drafter = Eagle3Drafter(self.head, total_token, depth, top_k)
-        return self.decoder.generate(input_ids, drafter, cfg, timer=timer)
+        check_rule_shape(dm.rule, top_k)
+        return Eagle3Drafter(self.head, total_token, depth, top_k, draft_probs=dm.active and dm.rule == "js",
+                             **sampling)
 
 
 def check_tree_shape(total_token: int, depth: int, top_k: int) -> None:
@@ -142,10 +179,22 @@ def check_tree_shape(total_token: int, depth: int, top_k: int) -> None:
             raise LoadError(f"{name} must be >= 1, got {value}")
 
 
+def check_draft_length(draft_length: int) -> None:
+    if draft_length < 1:
+        raise LoadError(f"draft-length must be >= 1, got {draft_length}")
+
+
+def check_rule_shape(rule: str, top_k: int) -> None:
+    """The js rule compares one draft distribution per position: EAGLE-3 trees must be chains."""
+    if rule == "js" and top_k != 1:
+        raise LoadError(f"the js rule needs a chain (one child per node), but top-k {top_k} drafts a "
+                        "branching tree: use top-k 1 (EAGLE-3 chain mode) or a draft model")
+
+
 def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                        sample_top_k: int = 0, dropmatch_k: int = 0, dropout_p: float = 0.3,
                        dropmatch_protect: int = 0, dropmatch_shortlist: int = 64,
-                       dropmatch_rule: str = "match", seed: int = 0) -> DecodeConfig:
+                       dropmatch_rule: str = "match", rule_top_k: int = 2, seed: int = 0) -> DecodeConfig:
     """Validated decoding settings (LoadError with one clear sentence on bad values)."""
     if max_new_tokens < 1:
         raise LoadError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -159,8 +208,12 @@ def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: 
         raise LoadError(f"top-p must be in (0, 1], got {top_p}")
     if dropmatch_protect < 0 or dropmatch_shortlist < 0 or sample_top_k < 0:
         raise LoadError("dropmatch-protect, dropmatch-shortlist and sample-top-k must be >= 0")
+    if dropmatch_rule not in RULE_NAMES:
+        raise LoadError(f"dropmatch-rule must be one of {', '.join(RULE_NAMES)}, got {dropmatch_rule!r}")
+    if rule_top_k < 1:
+        raise LoadError(f"rule-top-k must be >= 1, got {rule_top_k}")
     dm = DropMatchConfig(k=dropmatch_k, p=dropout_p, protect=dropmatch_protect,
-                         shortlist=dropmatch_shortlist, rule=dropmatch_rule)
+                         shortlist=dropmatch_shortlist, rule=dropmatch_rule, rule_top_k=rule_top_k)
     return DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         sample_top_k=sample_top_k, dropmatch=dm, seed=seed)
 
@@ -180,13 +233,16 @@ def attach_head(target, ea_model_path: str | Path, dtype: torch.dtype) -> tuple[
 
 
 def load(model_path: str | Path | None = None, ea_model_path: str | Path | None = None, *,
-         dtype: str | torch.dtype = "bfloat16", device: str = "cpu", require_head: bool = False,
-         progress: bool = True) -> EagleModel:
-    """Load a target and (optionally) its EAGLE-3 head.
+         draft_model_path: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",
+         device: str = "cpu", require_head: bool = False, progress: bool = True) -> EagleModel:
+    """Load a target and (optionally) its EAGLE-3 head and/or a draft model.
 
     Args:
         model_path: target folder; None = the embedded default SmolLM2-135M-Instruct.
-        ea_model_path: head folder; None = the head bundled for the embedded default (if any).
+        ea_model_path: head folder; None = the head bundled for the embedded default (if any, and
+            unless a draft model is given).
+        draft_model_path: a draft causal LM sharing the target's tokenizer (standard speculative
+            decoding), or None.
         dtype: "float32", "bfloat16" or "float16".
         device: "cpu", "cuda[:i]" or "auto" (accelerate device_map).
         require_head: raise when no head can be found.
@@ -199,19 +255,28 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             model_path = default_target_path(progress=progress)
         except ResourceError as exc:
             raise LoadError(str(exc)) from None
-        if ea_model_path is None:
+        if ea_model_path is None and draft_model_path is None:
             ea_model_path = bundled_head_path()
             if ea_model_path is None and require_head:
                 raise LoadError("no EAGLE-3 head is bundled for the embedded default yet; pass "
                                 "--ea-model-path HEAD or --baseline")
     elif not Path(model_path).exists():
         raise LoadError(f"target model path not found: {model_path}")
+    if draft_model_path is not None and not Path(draft_model_path).exists():
+        raise LoadError(f"draft model path not found: {draft_model_path}")
     if ea_model_path is None and require_head:
         raise LoadError("no EAGLE-3 head given: pass --ea-model-path HEAD (or --baseline)")
     target, tokenizer = load_target(model_path, torch_dtype, device)
     head, aux = (None, None)
     if ea_model_path is not None:
         head, aux = attach_head(target, ea_model_path, torch_dtype)
+    draft = None
+    if draft_model_path is not None:
+        draft, draft_tokenizer = load_target(draft_model_path, torch_dtype, device, role="draft model")
+        try:
+            check_tokenizers(tokenizer, draft_tokenizer)
+        except DraftModelError as exc:
+            raise LoadError(str(exc)) from None
     decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
-    return EagleModel(target, tokenizer, head, decoder)
+    return EagleModel(target, tokenizer, head, decoder, draft)
 

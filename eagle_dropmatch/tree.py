@@ -27,8 +27,10 @@ class DraftTree:
         depths: [N] depth of each node (root 0); the target sees node j at position prev_len + depths[j].
         ancestors: bool [N, N]; ancestors[i, j] is True when j is i or an ancestor of i.
         has_children: bool [N].
-        draft_probs: [N, V] the drafter's full-vocabulary distribution each node was drawn from, when
-            the drafter provides it (chains; used by the js rule), else None.
+        draft_probs: [N, V] the drafter's full-vocabulary distribution each node was drawn from (row 0
+            unused), when the drafter provides it (chains; used by the js rule), else None.
+        sampled: the drafted tokens were sampled from ``draft_probs`` (a draft model at T > 0): the
+            engine then verifies them by rejection sampling; False for deterministic (argmax) drafts.
     """
 
     tokens: torch.Tensor
@@ -37,6 +39,7 @@ class DraftTree:
     ancestors: torch.Tensor
     has_children: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    sampled: bool = False
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

@@ -131,3 +131,48 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         {"question_id": i, "category": "writing", "turns": [f"Say {w}.", "Again?"]})
         for i, w in enumerate(["hi", "yes", "no"])) + "\n")
     return root
+
+
+# ------------------------------------------------------------------ draft models (standard SD, tests/test_sd.py)
+
+def noisy_copy(model, noise: float, seed: int = 0):
+    """A copy of ``model`` with Gaussian noise of ``noise`` times each weight tensor's std added: a draft
+    that agrees with the target often but not always."""
+    import copy
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+    return draft.eval()
+
+
+def char_tokenizer(chars: list[str] = CHARS):
+    """A character-level fast tokenizer like ``write_char_tokenizer``'s, with the characters in the given
+    order (another order gives a tokenizer of the same size with different ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIALS + list(chars))}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", additional_special_tokens=SPECIALS[1:])
+    fast.chat_template = CHATML
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tiny_model_dir) -> Path:
+    """Draft models next to ``tiny_model_dir``'s target: ``draft`` (a noisy copy of the target with the
+    same tokenizer) and ``draft_other_tok`` (the same weights, characters in reverse order)."""
+    from transformers import AutoModelForCausalLM
+    root = tiny_model_dir
+    target = AutoModelForCausalLM.from_pretrained(str(root / "target"))
+    draft = noisy_copy(target, 0.1, seed=1)
+    vocab = target.config.vocab_size
+    draft.save_pretrained(str(root / "draft"))
+    write_char_tokenizer(root / "draft", vocab)
+    draft.save_pretrained(str(root / "draft_other_tok"))
+    char_tokenizer(CHARS[::-1]).save_pretrained(str(root / "draft_other_tok"))
+    return root

@@ -1,0 +1,576 @@
+"""Train an EAGLE-3 head for any HF causal LM the engine serves, on modest hardware.
+
+    python -m eagle_dropmatch.train --model-path TARGET --out HEAD_DIR [--prompts FILE] ...
+
+Phases, each resumable from ``--work-dir`` (rerun the same command after an interruption):
+
+1. prompts: from ``--prompts`` (ShareGPT-style ``conversations`` jsonl/json, or one prompt per line), or
+   written by the target itself from topic seeds; prompts found in evaluation sets are dropped.
+2. responses: the target answers every prompt itself (self-distillation, batched greedy generation).
+   A training example is the chat-templated prompt plus the generated ids; the loss mask is exactly the
+   generated ids (the end-of-turn token included), so no template-specific string offsets exist.
+3. draft vocabulary: the ``--draft-vocab-size`` most frequent assistant tokens (coverage printed).
+4. features: the target's low/mid/high features and final hidden states, cached in bf16 shards.
+5. training-time test: ``--ttt-steps`` steps with weights 0.8^k, soft cross-entropy against the target's
+   distribution restricted to the draft vocabulary, computed per batch from the cached final hidden states.
+
+The head is written in the official EAGLE-3 checkpoint format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .head import DraftCache, Eagle3Head, HeadConfig, check_aux_layer_ids, default_aux_layer_ids, save_head
+
+TOPIC_SEEDS = [
+    "cooking", "travel", "personal finance", "physics", "history", "poetry", "programming in Python",
+    "job interviews", "health and exercise", "climate", "music", "mathematics", "gardening", "pets",
+    "movies", "startups", "writing an email", "learning a language", "philosophy", "chemistry",
+    "astronomy", "sports", "economics", "psychology", "parenting", "law", "art history", "biology",
+    "video games", "productivity", "JavaScript", "databases", "marketing", "geography", "ethics",
+    "statistics", "fashion", "architecture", "nutrition", "public speaking", "negotiation", "education",
+    "machine learning", "cars", "photography", "home repair", "mythology", "board games", "the ocean",
+    "renewable energy", "a short story", "a riddle", "a product review", "a travel itinerary",
+]
+STYLES = ["a question", "a request for advice", "an instruction to write something",
+          "a request to explain a concept", "a math word problem", "a request for a list"]
+
+
+class TrainError(RuntimeError):
+    """Bad input to training: reported as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------ prompts
+
+def _normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """First human turns from ShareGPT-style records (json array or jsonl), or one prompt per line."""
+    if not path.is_file():
+        raise TrainError(f"prompt file not found: {path}")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    records: list = []
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            records = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise TrainError(f"{path} is not a valid JSON array: {exc}") from None
+    else:
+        for line in text.splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("{"):
+                try:
+                    records.append(json.loads(line))
+                    continue
+                except json.JSONDecodeError:
+                    pass
+            records.append(line)
+    prompts = []
+    for rec in records:
+        if isinstance(rec, str):
+            prompts.append(rec)
+        elif isinstance(rec, dict):
+            turns = rec.get("conversations") or rec.get("turns") or []
+            first = next((t.get("value") or t.get("content") for t in turns if isinstance(t, dict)
+                          and t.get("from", t.get("role")) in ("human", "user")), None)
+            if first is None and isinstance(turns, list) and turns and isinstance(turns[0], str):
+                first = turns[0]
+            first = first or rec.get("prompt") or rec.get("instruction")
+            if isinstance(first, str):
+                prompts.append(first)
+    return [p.strip() for p in prompts if isinstance(p, str) and p.strip()]
+
+
+def evaluation_prompts(extra: list[Path]) -> set[str]:
+    """Normalised prompts of the evaluation sets (../shared/data when found, and ``--exclude`` files)."""
+    from .resources import BENCHES, ResourceError, question_file, read_questions
+    texts: set[str] = set()
+    for bench in BENCHES:
+        try:
+            path = question_file(bench)
+        except ResourceError:
+            continue
+        for q in read_questions(path):
+            texts.update(_normalise(t) for t in q["turns"])
+    for path in extra:
+        texts.update(_normalise(p) for p in read_prompt_file(Path(path)))
+    return texts
+
+
+def drop_evaluation_prompts(prompts: list[str], banned: set[str]) -> tuple[list[str], int]:
+    """Remove prompts that appear in an evaluation set (and duplicates); returns (kept, dropped)."""
+    kept, seen, dropped = [], set(), 0
+    for p in prompts:
+        key = _normalise(p)
+        if key in banned:
+            dropped += 1
+        elif key not in seen:
+            seen.add(key)
+            kept.append(p)
+    return kept, dropped
+
+
+# ---------------------------------------------------------------------------- generation
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@torch.no_grad()
+def generate_batch(target, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
+                   eos: list[int], temperature: float = 0.0, generator: torch.Generator | None = None,
+                   ) -> list[list[int]]:
+    """Batched generation with left padding; returns each response up to and including its stop token."""
+    from .acceptance import choose_tokens
+    from transformers import DynamicCache
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=target.config)
+    out = [[] for _ in prompt_ids]
+    finished = torch.zeros(len(prompt_ids), dtype=torch.bool)
+    eos_t = torch.tensor(eos)
+    step_ids = ids
+    for _ in range(max_new_tokens):
+        logits = target(input_ids=step_ids, attention_mask=attn, position_ids=positions, cache=cache,
+                        use_cache=True).logits[:, -1]
+        nxt = choose_tokens(logits, temperature, 1.0, 0, generator)
+        for i in (~finished).nonzero().flatten().tolist():
+            out[i].append(int(nxt[i]))
+        finished |= torch.isin(nxt, eos_t)
+        if bool(finished.all()):
+            break
+        step_ids = nxt[:, None]
+        attn = torch.cat([attn, torch.ones(len(prompt_ids), 1, dtype=attn.dtype)], dim=1)
+        positions = positions[:, -1:] + 1
+    return out
+
+
+def self_written_prompts(target, tokenizer, n: int, eos: list[int], seed: int,
+                         batch_size: int) -> list[str]:
+    """Prompts the target writes itself from topic seeds (no data set at all)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    asks = [f"Write {rng.choice(STYLES)} that a user might send to an AI assistant about "
+            f"{rng.choice(TOPIC_SEEDS)}. Reply with the message only." for _ in range(n)]
+    prompts = []
+    for i in range(0, n, batch_size):
+        batch = [render(tokenizer, [{"role": "user", "content": a}]) for a in asks[i:i + batch_size]]
+        for resp in generate_batch(target, tokenizer, batch, 96, eos, temperature=0.9, generator=gen):
+            text = tokenizer.decode(resp, skip_special_tokens=True).strip().strip('"')
+            if len(text) > 10:
+                prompts.append(text)
+    return prompts
+
+
+def generate_examples(target, tokenizer, prompts: list[str], work: Path, max_new_tokens: int,
+                      batch_size: int, shard_size: int, eos: list[int], max_prompt_tokens: int) -> None:
+    """Self-distilled examples in shards ``responses_*.pt`` ({input_ids, loss_mask} lists); resumable."""
+    from tqdm import tqdm
+    shards = sorted(work.glob("responses_*.pt"))
+    start = len(shards) * shard_size
+    bar = tqdm(total=len(prompts), initial=min(start, len(prompts)), unit="prompt", desc="responses",
+               file=sys.stderr)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
+    for shard_start in range(start, len(prompts), shard_size):
+        examples, tokens = [], 0
+        chunk = order[shard_start:shard_start + shard_size]
+        for i in range(0, len(chunk), batch_size):
+            batch = [render(tokenizer, [{"role": "user", "content": prompts[j]}])[:max_prompt_tokens]
+                     for j in chunk[i:i + batch_size]]
+            for prompt, resp in zip(batch, generate_batch(target, tokenizer, batch, max_new_tokens, eos)):
+                ids = torch.tensor(prompt + resp, dtype=torch.int32)
+                mask = torch.zeros(len(ids), dtype=torch.bool)
+                mask[len(prompt):] = True
+                examples.append({"input_ids": ids, "loss_mask": mask})
+                tokens += len(resp)
+            bar.update(len(batch))
+        torch.save(examples, work / f"responses_{shard_start // shard_size:05d}.pt")
+        bar.set_postfix(last_shard_tokens=tokens)
+    bar.close()
+
+
+def assistant_mask(tokenizer, messages: list[dict], eos: list[int]) -> tuple[list[int], list[bool]]:
+    """Ids of a rendered conversation and a mask of exactly its assistant tokens.
+
+    Computed from the chat template generically: each assistant turn starts where the template's
+    generation prompt for the preceding messages ends, and runs through its first end-of-turn token.
+    """
+    full = render_full(tokenizer, messages)
+    mask = [False] * len(full)
+    for k, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        prefix = render(tokenizer, messages[:k])
+        if full[:len(prefix)] != prefix:
+            raise TrainError("the chat template renders history differently from its generation prompt")
+        end = len(prefix)
+        while end < len(full) and full[end] not in eos:
+            end += 1
+        for i in range(len(prefix), min(end + 1, len(full))):
+            mask[i] = True
+    return full, mask
+
+
+def render_full(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def load_examples(work: Path) -> list[dict]:
+    examples = []
+    for shard in sorted(work.glob("responses_*.pt")):
+        examples.extend(torch.load(shard, weights_only=True))
+    return examples
+
+
+# -------------------------------------------------------------------------- draft vocabulary
+
+def build_draft_vocab(examples: list[dict], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent assistant tokens (sorted ids) and their coverage of assistant tokens."""
+    counts = Counter()
+    for ex in examples:
+        counts.update(ex["input_ids"][ex["loss_mask"]].tolist())
+    total = sum(counts.values())
+    common = [tok for tok, _ in counts.most_common(size)]
+    if len(common) < size:  # pad with the lowest unused ids so the vocabulary has exactly `size` ids
+        used = set(common)
+        common += [i for i in range(vocab_size) if i not in used][:size - len(common)]
+    ids = torch.tensor(sorted(common), dtype=torch.long)
+    covered = sum(counts[t] for t in ids.tolist())
+    return ids, covered / max(total, 1)
+
+
+# ------------------------------------------------------------------------------- features
+
+@torch.no_grad()
+def compute_features(target, examples: list[dict], aux: list[int], work: Path, shard_size: int) -> None:
+    """Cache (features [S, 3H], final hidden [S, H]) in bf16 per example, in shards; resumable."""
+    from tqdm import tqdm
+    from .verify import decoder_of
+    decoder = decoder_of(target)
+    done = len(sorted(work.glob("features_*.pt"))) * shard_size
+    for start in tqdm(range(done, len(examples), shard_size), desc="features", unit="shard", file=sys.stderr):
+        out = []
+        for ex in examples[start:start + shard_size]:
+            ids = ex["input_ids"].long()[None]
+            res = decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
+            feats = torch.cat([res.hidden_states[i][0] for i in aux], dim=-1)
+            out.append({"features": feats.to(torch.bfloat16), "hidden": res.last_hidden_state[0].to(torch.bfloat16)})
+        torch.save(out, work / f"features_{start // shard_size:05d}.pt")
+
+
+# ---------------------------------------------------------------------------- training
+
+def ttt_loss(head: Eagle3Head, features: torch.Tensor, input_ids: torch.Tensor, target_hidden: torch.Tensor,
+             loss_mask: torch.Tensor, draft_weight: torch.Tensor, steps: int,
+             ) -> tuple[torch.Tensor, list[float], list[int]]:
+    """Training-time-test loss of one sequence.
+
+    Args:
+        head: the head being trained.
+        features: [S, 3H] target features; input_ids: [S]; target_hidden: [S, H] final hidden states.
+        loss_mask: bool [S], True where the token is an assistant token in the draft vocabulary.
+        draft_weight: [Vd, H] the target's LM-head rows of the draft vocabulary.
+        steps: number of TTT steps k = 0..steps-1.
+
+    Returns:
+        (sum_k 0.8^k loss_k, per-step accuracies, per-step counted positions)
+    """
+    s = input_ids.shape[0]
+    rows = s - 1  # pair p = (feature p, token p + 1), p = 0..S-2
+    cache = DraftCache()
+    hidden = features[:rows][None]
+    total = features.new_zeros(())
+    accs, counts = [], []
+    for k in range(steps):
+        idx = torch.arange(rows) + k + 1  # token fed at row p: p + k + 1; predicts p + k + 2
+        valid = idx + 1 < s
+        tokens = input_ids[idx.clamp(max=s - 1)][None]
+        positions = (torch.arange(rows) + k)[None]
+        mask = None
+        if k > 0:
+            causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+            diag = torch.eye(rows, dtype=torch.bool)
+            mask = torch.cat([causal] + [diag] * k, dim=1)[None, None]
+        out = head(hidden, tokens, positions, cache, mask)  # [1, rows, H]
+        logp = torch.log_softmax(head.logits(out[0]).float(), dim=-1)  # [rows, Vd]
+        target_rows = idx.clamp(max=s - 1)
+        with torch.no_grad():
+            target_logits = target_hidden[target_rows].float() @ draft_weight.float().T  # [rows, Vd]
+            target_p = torch.softmax(target_logits, dim=-1)
+        weight = (valid & loss_mask[(idx + 1).clamp(max=s - 1)]).float()
+        n = weight.sum()
+        loss_k = -(target_p * logp).sum(-1)
+        total = total + (0.8 ** k) * (loss_k * weight).sum() / n.clamp(min=1)
+        with torch.no_grad():
+            hit = (logp.argmax(-1) == target_p.argmax(-1)).float()
+            accs.append(float((hit * weight).sum() / n.clamp(min=1)))
+            counts.append(int(n))
+        hidden = out
+    return total, accs, counts
+
+
+def init_head_for_target(target, draft_ids: torch.Tensor, aux: list[int], seed: int,
+                         intermediate_size: int | None = None) -> Eagle3Head:
+    """A fresh head; its LM head and final norm start from the target's (restricted to the draft vocab)."""
+    from .head import head_config_for_target, init_head_weights
+    cfg = head_config_for_target(target.config, draft_vocab_size=len(draft_ids),
+                                 intermediate_size=intermediate_size)
+    cfg.aux_layer_ids = None if aux == default_aux_layer_ids(target.config.num_hidden_layers) else list(aux)
+    head = Eagle3Head(cfg, target.get_input_embeddings())
+    init_head_weights(head, seed=seed)
+    head.set_vocab_map(draft_ids)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float())
+        final_norm = getattr(target.get_decoder(), "norm", None)
+        if final_norm is not None and final_norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(final_norm.weight.float())
+    return head
+
+
+def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, epochs: int, lr: float,
+               steps: int, batch_tokens: int, seed: int, checkpoint_every: int, shard_size: int,
+               max_seq: int, log=print) -> dict:
+    """AdamW (0.9, 0.95), grad clip 0.5, cosine schedule, bf16 autocast; checkpoints and resumes."""
+    from tqdm import tqdm
+    draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
+    draft_weight = target.get_output_embeddings().weight[draft_ids].detach().to(torch.bfloat16)
+    t2d = head.t2d.clone()
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    ckpt = work / "checkpoint.pt"
+    state = {"epoch": 0, "index": 0, "updates": 0}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(saved["head"], strict=False)
+        opt.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        log(f"resumed from {ckpt} at epoch {state['epoch']}, example {state['index']}")
+    shards = sorted(work.glob("features_*.pt"))
+    n = len(examples)
+    total_updates = max(1, epochs * sum(len(e["input_ids"]) for e in examples) // batch_tokens)
+    history = []
+    head.train()
+    for epoch in range(state["epoch"], epochs):
+        order = list(range(n))
+        random.Random(seed + epoch).shuffle(order)
+        bar = tqdm(total=n, initial=state["index"], desc=f"epoch {epoch + 1}/{epochs}", file=sys.stderr)
+        cached_shard, cached = -1, None
+        acc_sum, cnt_sum, tokens = [0.0] * steps, [0] * steps, 0
+        opt.zero_grad()
+        for pos in range(state["index"], n):
+            i = order[pos]
+            if i // shard_size != cached_shard:
+                cached_shard, cached = i // shard_size, torch.load(shards[i // shard_size], weights_only=True)
+            feat = cached[i % shard_size]
+            ex = examples[i]
+            ids = ex["input_ids"].long()[:max_seq]
+            mask = (ex["loss_mask"] & t2d[ex["input_ids"].long()])[:max_seq]
+            if int(mask.sum()) == 0:
+                bar.update(1)
+                continue
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, accs, counts = ttt_loss(head, feat["features"][:max_seq], ids, feat["hidden"][:max_seq],
+                                              mask, draft_weight, steps)
+            (loss * len(ids) / batch_tokens).backward()
+            tokens += len(ids)
+            for k in range(steps):
+                acc_sum[k] += accs[k] * counts[k]
+                cnt_sum[k] += counts[k]
+            if tokens >= batch_tokens or pos == n - 1:
+                for group in opt.param_groups:
+                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * min(state["updates"] / total_updates, 1.0)))
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
+                opt.step()
+                opt.zero_grad()
+                state["updates"] += 1
+                tokens = 0
+                if state["updates"] % 10 == 0:
+                    bar.set_postfix({f"acc_{k}": f"{acc_sum[k] / max(cnt_sum[k], 1):.3f}" for k in range(steps)})
+                if state["updates"] % checkpoint_every == 0:
+                    state["index"] = pos + 1
+                    torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+            bar.update(1)
+        bar.close()
+        accs = [acc_sum[k] / max(cnt_sum[k], 1) for k in range(steps)]
+        history.append({"epoch": epoch + 1, **{f"acc_{k}": round(a, 4) for k, a in enumerate(accs)}})
+        log(f"epoch {epoch + 1}: " + " ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(accs)))
+        state = {"epoch": epoch + 1, "index": 0, "updates": state["updates"]}
+        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+    head.eval()
+    return {"history": history}
+
+
+@torch.no_grad()
+def evaluate_head(head: Eagle3Head, target, examples: list[dict], feature_rows: list[dict],
+                  steps: int) -> list[float]:
+    """Teacher-forced acc_0..acc_k of the head on held-out examples (top-1 vs the target's argmax)."""
+    draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
+    draft_weight = target.get_output_embeddings().weight[draft_ids].float()
+    acc, cnt = [0.0] * steps, [0] * steps
+    for ex, feat in zip(examples, feature_rows):
+        mask = ex["loss_mask"] & head.t2d[ex["input_ids"].long()]
+        _, accs, counts = ttt_loss(head.float(), feat["features"].float(), ex["input_ids"].long(),
+                                   feat["hidden"].float(), mask, draft_weight, steps)
+        for k in range(steps):
+            acc[k] += accs[k] * counts[k]
+            cnt[k] += counts[k]
+    return [a / max(c, 1) for a, c in zip(acc, cnt)]
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eagle_dropmatch.train", description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--model-path", help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    a("--out", required=True, help="folder to write the head to")
+    a("--work-dir", help="resumable working folder (default: <out>.work)")
+    a("--prompts", help="ShareGPT-style jsonl/json or one prompt per line (default: self-written)")
+    a("--num-prompts", type=int, default=2000, help="prompts to use (self-written: how many to write)")
+    a("--exclude", nargs="*", default=[], help="more prompt files whose prompts must not be trained on")
+    a("--max-new-tokens", type=int, default=384)
+    a("--max-prompt-tokens", type=int, default=512)
+    a("--gen-batch-size", type=int, default=16)
+    a("--draft-vocab-size", type=int, default=8192)
+    a("--intermediate-size", type=int, help="head MLP width (default: the target's)")
+    a("--epochs", type=int, default=4)
+    a("--lr", type=float, default=8e-4)
+    a("--ttt-steps", type=int, default=3)
+    a("--batch-tokens", type=int, default=4096)
+    a("--max-seq", type=int, default=1024)
+    a("--holdout", type=int, default=32, help="examples held out for the final acc_k")
+    a("--shard-size", type=int, default=256)
+    a("--checkpoint-every", type=int, default=50, help="optimizer updates between checkpoints")
+    a("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+      help="dtype of generation and features (the dtype the head will serve in)")
+    a("--seed", type=int, default=0)
+    a("--threads", type=int)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from .loading import LoadError, eos_ids, load_target, resolve_dtype
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    work = Path(args.work_dir or f"{out}.work")
+    work.mkdir(parents=True, exist_ok=True)
+    if args.model_path is None:
+        from .resources import default_target_path
+        args.model_path = str(default_target_path())
+    settings = {k: getattr(args, k) for k in ("model_path", "draft_vocab_size", "ttt_steps", "seed",
+                                               "intermediate_size", "prompts", "num_prompts")}
+    if (out / "config.json").exists():
+        recorded = out / "training.json"
+        previous = json.loads(recorded.read_text()).get("settings") if recorded.exists() else None
+        if previous != settings:
+            raise TrainError(f"{out} already holds a different head; choose another --out")
+    try:
+        target, tokenizer = load_target(args.model_path, resolve_dtype(args.dtype), "cpu")
+    except LoadError as exc:
+        raise TrainError(str(exc)) from None
+    vocab = target.get_input_embeddings().weight.shape[0]
+    if args.draft_vocab_size > vocab or args.draft_vocab_size < 1:
+        raise TrainError(f"draft vocab size {args.draft_vocab_size} must be in [1, {vocab}] (the target's "
+                         "vocabulary)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise TrainError("the target's tokenizer has no chat template; training needs one")
+    layers = target.config.num_hidden_layers
+    try:
+        aux = check_aux_layer_ids(default_aux_layer_ids(layers), layers)
+    except Exception as exc:
+        raise TrainError(f"the engine cannot serve this target: {exc}") from None
+    eos = eos_ids(target, tokenizer)
+    started = time.time()
+
+    prompts_file = work / "prompts.json"
+    if not prompts_file.exists():
+        if args.prompts:
+            prompts = read_prompt_file(Path(args.prompts))
+        else:
+            prompts = self_written_prompts(target, tokenizer, args.num_prompts, eos, args.seed,
+                                           args.gen_batch_size)
+        prompts, dropped = drop_evaluation_prompts(prompts, evaluation_prompts(args.exclude))
+        print(f"prompts: {len(prompts)} usable, {dropped} dropped because they appear in an evaluation set",
+              file=sys.stderr)
+        random.Random(args.seed).shuffle(prompts)
+        prompts = prompts[:args.num_prompts]
+        if not prompts:
+            raise TrainError("no usable prompts (empty file, or every prompt is in an evaluation set)")
+        prompts_file.write_text(json.dumps(prompts))
+    prompts = json.loads(prompts_file.read_text())
+
+    generate_examples(target, tokenizer, prompts, work, args.max_new_tokens, args.gen_batch_size,
+                      args.shard_size, eos, args.max_prompt_tokens)
+    examples = load_examples(work)
+    response_tokens = sum(int(e["loss_mask"].sum()) for e in examples)
+    print(f"examples: {len(examples)}, assistant tokens: {response_tokens}", file=sys.stderr)
+
+    feature_target = target  # features in the serving dtype: the head sees the same at inference
+    compute_features(feature_target, examples, aux, work, args.shard_size)
+    train_examples = examples[:-args.holdout] if len(examples) > 2 * args.holdout else examples
+    draft_ids, coverage = build_draft_vocab(train_examples, args.draft_vocab_size, vocab)
+    print(f"draft vocab: {len(draft_ids)} tokens cover {coverage:.1%} of training assistant tokens",
+          file=sys.stderr)
+
+    head = init_head_for_target(feature_target, draft_ids, aux, args.seed, args.intermediate_size)
+    result = train_head(head, feature_target, train_examples, work, epochs=args.epochs, lr=args.lr,
+                        steps=args.ttt_steps, batch_tokens=args.batch_tokens, seed=args.seed,
+                        checkpoint_every=args.checkpoint_every, shard_size=args.shard_size,
+                        max_seq=args.max_seq, log=lambda m: print(m, file=sys.stderr))
+    held = examples[len(train_examples):]
+    held_acc = []
+    if held:
+        rows = []
+        shards = sorted(work.glob("features_*.pt"))
+        for j in range(len(train_examples), len(examples)):
+            rows.append(torch.load(shards[j // args.shard_size], weights_only=True)[j % args.shard_size])
+        held_acc = evaluate_head(head, feature_target, held, rows, args.ttt_steps)
+        print("held-out " + " ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(held_acc)), file=sys.stderr)
+    save_head(head.to(torch.float32), out)
+    summary = {"settings": settings, "examples": len(examples), "assistant_tokens": response_tokens,
+               "draft_vocab_coverage": round(coverage, 4), "heldout_acc": [round(a, 4) for a in held_acc],
+               "wall_time_s": round(time.time() - started, 1), **result}
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"head written to {out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except TrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Shared command-line plumbing for the evaluation commands.
+
+Every command follows one contract: bad input produces exactly one line on stderr and exit status 2, never a
+traceback; warnings go to stderr prefixed with ``warning:``; ``--json`` prints one JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, Callable, Sequence
+
+
+class EvalError(Exception):
+    """Bad input or an unusable environment: reported as one line, exit status 2."""
+
+
+_WARNED: set[str] = set()
+_HELD: list[str] | None = None
+
+
+def warn(message: str, once: bool = True) -> None:
+    """Print a warning line on stderr (held back until the end of a command run by :func:`run_cli`).
+
+    Args:
+        message: The warning text (one line).
+        once: When True, a message already given in this process is not repeated.
+    """
+    if once and message in _WARNED:
+        return
+    _WARNED.add(message)
+    if _HELD is not None:
+        _HELD.append(message)
+    else:
+        print(f"warning: {message}", file=sys.stderr)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one stderr line and exit status 2."""
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse hook
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, prog: str = "") -> int:
+    """Run a command's ``main`` and turn expected failures into one stderr line and exit status 2.
+
+    Args:
+        main: The command body; returns an exit status.
+        argv: Arguments (None: ``sys.argv[1:]``).
+        prog: Program name used in the error line.
+
+    Warnings are held back while the command runs: printed after a successful run, dropped when the
+    command fails, so a failure is exactly one stderr line.
+
+    Returns:
+        The exit status.
+    """
+    global _HELD
+    _HELD, failed = [], False
+    _WARNED.clear()
+    try:
+        return main(argv)
+    except EvalError as exc:
+        failed = True
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # stdout closed early (e.g. piped into head): not an error of the command
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except SystemExit as exc:  # argparse: its one line is already printed
+        failed = exc.code not in (0, None)
+        raise
+    except Exception as exc:  # noqa: BLE001 - errors of the resources module are input errors
+        if type(exc).__name__ == "ResourceError":
+            failed = True
+            print(f"{prog}: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                  file=sys.stderr)
+            return 2
+        raise
+    finally:
+        held, _HELD = _HELD, None
+        if not failed:
+            for message in held:
+                print(f"warning: {message}", file=sys.stderr)
+
+
+def parse_name_value(items: Sequence[str] | None, option: str) -> list[tuple[str, str]]:
+    """Parse repeated ``NAME=VALUE`` options (split at the last ``=``).
+
+    Args:
+        items: The raw option values.
+        option: Option name for error messages.
+
+    Returns:
+        (name, value) pairs in the given order.
+
+    Raises:
+        EvalError: When an item has no ``=`` or an empty side.
+    """
+    out = []
+    for item in items or []:
+        name, sep, value = item.rpartition("=")  # the NAME may hold '=' (e.g. "K=5"), file names rarely do
+        if not sep or not name.strip() or not value.strip():
+            raise EvalError(f"{option} expects NAME=FILE, got {item!r}")
+        out.append((name.strip(), value.strip()))
+    return out
+
+
+def _clean(obj: Any) -> Any:
+    """Replace NaN/inf by None recursively so the output is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def print_json(obj: dict) -> None:
+    """Print one JSON object (strict JSON: NaN becomes null) on stdout."""
+    print(json.dumps(_clean(obj), ensure_ascii=False))
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Write one JSON object to ``path`` (strict JSON, indented)."""
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(_clean(obj), fh, ensure_ascii=False, indent=1)
+            fh.write("\n")
+    except OSError as exc:
+        raise EvalError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
+    """Format a number for a table cell; None or NaN becomes ``-``."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, (int, float)):
+        return f"{value:.{digits}f}{suffix}"
+    return str(value)

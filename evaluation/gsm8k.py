@@ -1,0 +1,124 @@
+"""GSM8K exact final-answer accuracy.
+
+Usage::
+
+    python -m evaluation.gsm8k --answer-file A.jsonl [--bench gsm8k | --question-file Q.jsonl] [--json]
+
+The reference answer is the number after ``#### `` in the question's ``reference``. The model's final answer
+is, in order of preference: the number after the last ``####``, the last ``\\boxed{N}``, the number after the
+last "answer is", else the last number in the text. Commas, ``$`` and a trailing period are stripped and the
+two numbers are compared numerically.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Sequence
+
+from .answers import load_answers
+from .common import EvalError, OneLineParser, print_json, run_cli, warn, write_json
+from .questions import load_questions
+
+_NUM = r"(?:(?<![\w.])-)?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
+_HASH = re.compile(r"####\s*(" + _NUM + ")")
+_BOXED = re.compile(r"\\boxed\{\s*(" + _NUM + r")\s*\}")
+_ANSWER_IS = re.compile(r"answer\s+is\s*[:=]?\s*(?:\*\*)?\s*(" + _NUM + ")", re.IGNORECASE)
+_ANY = re.compile(_NUM)
+
+
+def to_number(text: str) -> float | None:
+    """Parse ``"$1,234.50"``-style text into a float (None when it is not a number)."""
+    cleaned = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    try:
+        return float(cleaned)
+    except ValueError:
+        return None
+
+
+def extract_answer(text: str) -> float | None:
+    """The model's final numeric answer (see the module doc for the order of preference), or None."""
+    for pattern in (_HASH, _BOXED, _ANSWER_IS, _ANY):
+        found = pattern.findall(text or "")
+        if found:
+            value = to_number(found[-1])
+            if value is not None:
+                return value
+    return None
+
+
+def reference_answer(question: dict) -> float | None:
+    """The number after ``####`` in the question's reference (None when absent)."""
+    ref = question.get("reference")
+    text = ref[0] if isinstance(ref, list) and ref else ref if isinstance(ref, str) else ""
+    found = _HASH.findall(text or "")
+    return to_number(found[-1]) if found else None
+
+
+def same_number(a: float | None, b: float | None) -> bool:
+    """Numeric equality with a small relative tolerance."""
+    return a is not None and b is not None and abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def gsm8k_accuracy(answer_file: str, questions: dict) -> dict:
+    """Accuracy of an answer file against the references of ``questions``.
+
+    Returns:
+        A dict with accuracy, n (scored questions), correct, missing (questions without an answer),
+        no_reference, and per-question details.
+    """
+    af = load_answers(answer_file)
+    details, missing, no_ref = [], 0, 0
+    for key, q in questions.items():
+        ref = reference_answer(q)
+        if ref is None:
+            no_ref += 1
+            continue
+        ans = af.answers.get(key)
+        if ans is None or not ans.turns:
+            missing += 1
+            continue
+        pred = extract_answer(ans.turns[0].text)
+        details.append({"question_id": q["question_id"], "reference": ref, "prediction": pred,
+                        "correct": same_number(pred, ref)})
+    if no_ref:
+        warn(f"{no_ref} question(s) have no '#### N' reference; left out")
+    if missing:
+        warn(f"{missing} question(s) have no answer in {answer_file}; left out")
+    if not details:
+        raise EvalError("no question with both a '#### N' reference and an answer")
+    correct = sum(d["correct"] for d in details)
+    return {"answer_file": str(af.path), "model_id": af.model_id, "label": af.label,
+            "accuracy": correct / len(details), "n": len(details), "correct": correct, "missing": missing,
+            "no_reference": no_ref, "details": details}
+
+
+def build_parser() -> OneLineParser:
+    """The argument parser of ``python -m evaluation.gsm8k``."""
+    p = OneLineParser(prog="python -m evaluation.gsm8k", description=__doc__.split("\n\n")[0])
+    p.add_argument("--answer-file", required=True, help="answers to the GSM8K questions")
+    p.add_argument("--bench", default=None, help="bench name (default gsm8k when no --question-file)")
+    p.add_argument("--question-file", help="question file with '#### N' references")
+    p.add_argument("--data-dir", help="data directory for --bench")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--output", help="also write the JSON result to this file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m evaluation.gsm8k``."""
+    args = build_parser().parse_args(argv)
+    bench = args.bench or (None if args.question_file else "gsm8k")
+    questions = load_questions(args.question_file, bench, args.data_dir)
+    res = gsm8k_accuracy(args.answer_file, questions)
+    if args.output:
+        write_json(args.output, res)
+    if args.json:
+        print_json(res)
+    else:
+        print(f"{res['label']}: GSM8K accuracy {res['accuracy']:.4f} ({res['correct']}/{res['n']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, prog="python -m evaluation.gsm8k"))

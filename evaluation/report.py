@@ -1,0 +1,193 @@
+"""One Markdown table in the shape of the DropMatch paper's EAGLE-3 table, plus PNG plots.
+
+Usage::
+
+    python -m evaluation.report --baseline-file base.jsonl \\
+        --run EAGLE-3=e3.jsonl --run DropMatch=dm.jsonl --run DropMatch=dm_seed2.jsonl \\
+        [--gsm8k NAME=gsm8k.json] [--judge NAME=judge.json] [--quality NAME=quality.json] [--out DIR] [--json]
+
+Speed figures (tau, tokens/s, speedup) are computed from the answer files against the baseline file; a NAME
+given several times is a set of repeated runs (mean ± std). Quality columns come from the ``--json`` outputs
+of ``evaluation.gsm8k``, ``evaluation.judge`` (single: MT-Bench score; pairwise: win rate) and
+``evaluation.quality``; a missing figure is ``-``. The baseline row is named by ``--baseline-name``
+(default ``baseline``), so ``--gsm8k baseline=...`` fills its quality cells.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+from .answers import load_answers
+from .common import EvalError, OneLineParser, fmt, parse_name_value, print_json, run_cli, warn, write_json
+from .questions import load_questions
+from .speed import aggregate, analyze_run, pick_baseline, summarize
+
+
+def _load_result(path: str, option: str) -> dict:
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EvalError(f"{option}: result file not found: {path}") from None
+    except (OSError, ValueError) as exc:
+        raise EvalError(f"{option}: {path} is not a JSON result ({exc})") from None
+    if not isinstance(obj, dict):
+        raise EvalError(f"{option}: {path} is not a JSON object")
+    return obj
+
+
+def quality_figures(gsm8k, judge, quality, names: set[str]) -> dict[str, dict]:
+    """Quality figures by row name, from the result files of the other commands.
+
+    Raises:
+        EvalError: A NAME that is no row, or a result file lacking the expected keys.
+    """
+    out: dict[str, dict] = {}
+    for option, items in (("--gsm8k", gsm8k), ("--judge", judge), ("--quality", quality)):
+        for name, path in parse_name_value(items, option):
+            if name not in names:
+                raise EvalError(f"{option} names {name!r}, which is neither a --run NAME nor the baseline name")
+            res = _load_result(path, option)
+            row = out.setdefault(name, {})
+            if option == "--gsm8k":
+                if "accuracy" not in res:
+                    raise EvalError(f"--gsm8k: {path} has no 'accuracy' (not an evaluation.gsm8k --json result)")
+                row["gsm8k_accuracy"] = res["accuracy"]
+            elif option == "--judge":
+                if res.get("mode") == "pairwise" or "win_rate" in res:
+                    row.update(win_rate=res.get("win_rate"), win_rate_ci95=res.get("ci95"))
+                elif "score" in res:
+                    row["mt_bench_score"] = res["score"]
+                else:
+                    raise EvalError(f"--judge: {path} has neither 'score' nor 'win_rate'")
+            else:
+                if "exact_match_rate" not in res:
+                    raise EvalError(f"--quality: {path} has no 'exact_match_rate'")
+                row.update(exact_match_rate=res.get("exact_match_rate"), sbert_cosine=res.get("sbert_cosine"),
+                           loglik_rel_diff=res.get("loglik_rel_diff"))
+    return out
+
+
+def build_rows(runs: list[tuple[str, str]], baseline_files: Sequence[str], baseline_name: str,
+               questions: dict | None, quality: dict[str, dict]) -> list[dict]:
+    """Table rows: the baseline first (when given), then one row per run NAME (repeats averaged)."""
+    baselines = [load_answers(p) for p in baseline_files]
+    rows = []
+    if baselines:
+        b = baselines[0]
+        keys = [k for k in b.answers if questions is None or k in questions]
+        s = summarize([t for k in keys for t in b.answers[k].turns], True)
+        rows.append({"name": baseline_name, "family": "Standard decoding", "tree": "-", "depth": None,
+                     "n_runs": 1, "files": [str(b.path)], "tau": s["tau"], "tau_std": None,
+                     "tokens_per_s": s["tokens_per_s"], "tokens_per_s_std": None, "speedup": 1.0,
+                     "speedup_std": None, "exact_tau": s["exact_tau"]})
+    grouped: OrderedDict[str, list[str]] = OrderedDict()
+    for name, path in runs:
+        grouped.setdefault(name, []).append(path)
+    for name, paths in grouped.items():
+        files = [load_answers(p) for p in paths]
+        if len({f.settings_key for f in files}) > 1:
+            warn(f"--run {name}: the files differ in more than the seed; averaged anyway")
+        analyses = [analyze_run(f, pick_baseline(f, baselines), questions) for f in files]
+        row = {"name": name, "family": files[0].label, "tree": files[0].tree, "depth": files[0].depth,
+               "n_runs": len(files), "files": [str(f.path) for f in files]}
+        row.update(aggregate(analyses))
+        rows.append(row)
+    for row in rows:
+        row.update({k: None for k in ("gsm8k_accuracy", "mt_bench_score", "win_rate", "win_rate_ci95",
+                                      "exact_match_rate_vs_lossless", "sbert_cosine", "loglik_rel_diff")})
+        q = quality.get(row["name"], {})
+        row.update({k: v for k, v in q.items() if k != "exact_match_rate"})
+        if "exact_match_rate" in q:
+            row["exact_match_rate_vs_lossless"] = q["exact_match_rate"]
+    return rows
+
+
+def _pm(v, sd, digits):
+    return fmt(v, digits) + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def render_table(rows: list[dict]) -> str:
+    """The Markdown table (quality-vs-lossless columns only when some row has them)."""
+    extra = any(r.get("exact_match_rate_vs_lossless") is not None or r.get("sbert_cosine") is not None
+                for r in rows)
+    head = ["Method", "Tree / draft length", "tau", "Tokens/s", "Speedup", "GSM8K acc. (%)", "MT-Bench",
+            "Win rate (%)"]
+    if extra:
+        head += ["Exact match vs lossless", "SBERT cosine", "Δ loglik/token (rel.)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ci = r.get("win_rate_ci95")
+        win = fmt(r["win_rate"] * 100 if r.get("win_rate") is not None else None, 1)
+        if ci and r.get("win_rate") is not None:
+            win += f" [{ci[0] * 100:.1f}, {ci[1] * 100:.1f}]"
+        speed = _pm(r.get("speedup"), r.get("speedup_std"), 2)
+        cells = [r["name"], r["tree"], _pm(r.get("tau"), r.get("tau_std"), 2),
+                 _pm(r.get("tokens_per_s"), r.get("tokens_per_s_std"), 1), speed + ("x" if speed != "-" else ""),
+                 fmt(r["gsm8k_accuracy"] * 100 if r.get("gsm8k_accuracy") is not None else None, 1),
+                 fmt(r.get("mt_bench_score"), 2), win]
+        if extra:
+            cells += [fmt(r.get("exact_match_rate_vs_lossless"), 3), fmt(r.get("sbert_cosine"), 3),
+                      fmt(r.get("loglik_rel_diff"), 4)]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def build_parser() -> OneLineParser:
+    """The argument parser of ``python -m evaluation.report``."""
+    p = OneLineParser(prog="python -m evaluation.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", action="append", required=True, metavar="NAME=ANSWERFILE",
+                   help="a run to tabulate; repeat a NAME for repeated runs of one configuration")
+    p.add_argument("--baseline-file", action="append", default=[], metavar="FILE",
+                   help="plain-decoding answer file (one per bench, matched by the meta 'bench')")
+    p.add_argument("--baseline-name", default="baseline", help="row name of the baseline (default 'baseline')")
+    p.add_argument("--gsm8k", action="append", metavar="NAME=RESULT.json", help="evaluation.gsm8k --json result")
+    p.add_argument("--judge", action="append", metavar="NAME=RESULT.json",
+                   help="evaluation.judge --json result (single: MT-Bench score; pairwise: win rate)")
+    p.add_argument("--quality", action="append", metavar="NAME=RESULT.json", help="evaluation.quality --json result")
+    p.add_argument("--bench", help="restrict the speed figures to this bench's questions")
+    p.add_argument("--question-file", help="restrict the speed figures to these questions")
+    p.add_argument("--data-dir", help="data directory for --bench")
+    p.add_argument("--out", help="directory for report.md, report.json and the PNG plots")
+    p.add_argument("--title", default="EAGLE-3 and DropMatch", help="report title")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m evaluation.report``."""
+    args = build_parser().parse_args(argv)
+    runs = parse_name_value(args.run, "--run")
+    names = {n for n, _ in runs} | {args.baseline_name}
+    quality = quality_figures(args.gsm8k, args.judge, args.quality, names)
+    questions = load_questions(args.question_file, args.bench, args.data_dir)
+    rows = build_rows(runs, args.baseline_file, args.baseline_name, questions, quality)
+    table = render_table(rows)
+    plots: list[str] = []
+    if args.out:
+        from .plots import plot_depth, plot_quality
+
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EvalError(f"cannot create {out}: {exc.strerror or exc}") from None
+        for fn, fname in ((plot_depth, "tau_speedup_vs_depth.png"), (plot_quality, "quality_vs_speedup.png")):
+            written = fn(rows, out / fname)
+            if written:
+                plots.append(str(written))
+        md = [f"# {args.title}", "", table, ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+        (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+        write_json(str(out / "report.json"), {"rows": rows, "table_markdown": table, "plots": plots})
+    if args.json:
+        print_json({"rows": rows, "table_markdown": table, "plots": plots})
+    else:
+        print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, prog="python -m evaluation.report"))

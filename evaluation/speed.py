@@ -1,0 +1,295 @@
+"""Speed and acceptance report: tokens/s, speedup over plain decoding, tau, exact tau, agreement.
+
+Usage::
+
+    python -m evaluation.speed --answer-file A.jsonl [A2.jsonl ...] --baseline-file B.jsonl [--json]
+
+Definitions (see shared/design/EAGLE3.md section 6):
+
+- tokens/s = sum of generated tokens / sum of decoding wall time; tokens are counted from the recorded ids.
+- speedup = tokens/s of the run / tokens/s of the baseline file on the same questions and turns.
+- tau = sum of generated tokens / sum of verification rounds (rounds = ``idxs + 1``).
+- exact tau = the same ratio for the tokens exact matching would have committed on the same trees
+  (``exact_accept_lengths``; the final round is cut where the recorded one was cut), so for a lossless run
+  exact tau == tau, and tau / exact tau is DropMatch's gain on one trajectory.
+- exact-match rate = share of turns whose token ids equal the baseline's.
+- Several answer files with the same settings (meta minus seed; model_id without meta) are repeats: their
+  figures are reported as mean and sample standard deviation over the runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from typing import Iterable, Sequence
+
+from .answers import AnswerFile, Turn, load_answers
+from .common import EvalError, OneLineParser, fmt, print_json, run_cli, warn, write_json
+from .questions import load_questions
+from .stats import mean, ratio, std
+
+#: Figures averaged over repeated runs of one configuration.
+RUN_METRICS = ("tau", "exact_tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "exact_match_rate",
+               "agreement", "accepted_set_size")
+
+
+def exact_committed(turn: Turn, lossless: bool) -> int | None:
+    """Tokens exact matching would have committed over one turn, on the recorded trees.
+
+    The recorded final round may be cut at the token limit or the stop token (``sum(accept_lengths)`` then
+    exceeds the generated tokens by ``c``); the exact count's last round is cut to at most what the recorded
+    last round kept, so a lossless run gives exactly the generated token count.
+
+    Args:
+        turn: The turn.
+        lossless: Use ``accept_lengths`` when ``exact_accept_lengths`` is absent (DropMatch off).
+
+    Returns:
+        The token count, or None when the lengths are not recorded.
+    """
+    exact = turn.exact_accept_lengths
+    if exact is None and lossless:
+        exact = turn.accept_lengths
+    if not exact:
+        return None if exact is None else 0
+    acc = turn.accept_lengths
+    n = turn.n_tokens
+    if not acc or n is None:
+        return sum(exact)
+    cut = max(0, sum(acc) - n)
+    kept_last = max(acc[-1] - cut, 0)
+    return sum(exact[:-1]) + min(exact[-1], kept_last)
+
+
+def summarize(turns: Sequence[Turn], lossless: bool) -> dict:
+    """Sum the statistics of a set of turns.
+
+    Args:
+        turns: Turns of one run (all or one category / turn index).
+        lossless: Whether the run is lossless (exact tau falls back to accept lengths).
+
+    Returns:
+        A dict with n_turns, new_tokens, wall_time, rounds, tokens_per_s, tau, exact_tau, agreement,
+        accepted_set_size (None where not computable).
+    """
+    tokens = [t.n_tokens for t in turns]
+    if any(x is None for x in tokens):
+        raise EvalError("a turn records neither token_ids nor new_tokens; cannot count tokens")
+    new_tokens = sum(tokens)
+    walls = [t.wall_time for t in turns]
+    wall = sum(w for w in walls if w is not None) if all(w is not None for w in walls) else None
+    with_rounds = [t for t in turns if t.rounds is not None]
+    rounds = sum(t.rounds for t in with_rounds)
+    tau = ratio(sum(t.n_tokens for t in with_rounds), rounds) if with_rounds else None
+    ex = [(exact_committed(t, lossless), t.rounds) for t in turns]
+    ex = [(e, r) for e, r in ex if e is not None and r is not None]
+    exact_tau = ratio(sum(e for e, _ in ex), sum(r for _, r in ex)) if ex else None
+    return {
+        "n_turns": len(turns),
+        "new_tokens": new_tokens,
+        "wall_time": wall,
+        "rounds": rounds if with_rounds else None,
+        "tokens_per_s": ratio(new_tokens, wall),
+        "tau": tau,
+        "exact_tau": exact_tau,
+        "agreement": mean(t.agreement for t in turns),
+        "accepted_set_size": mean(t.accepted_set_size for t in turns),
+    }
+
+
+def same_answer(a: Turn, b: Turn) -> bool:
+    """Whether two turns generated the same answer: token ids when both have them, else the texts."""
+    if a.token_ids is not None and b.token_ids is not None:
+        return a.token_ids == b.token_ids
+    warn("token_ids missing; exact match compares answer texts instead")
+    return a.text == b.text
+
+
+def _units(af: AnswerFile, keys: Iterable[str], questions: dict | None, other: AnswerFile | None):
+    """(category, turn index, turn, other file's turn or None) for the selected questions."""
+    for key in keys:
+        ans = af.answers[key]
+        cat = ans.category or ((questions or {}).get(key) or {}).get("category") or (
+            other.answers[key].category if other and key in other.answers else None) or "all"
+        other_turns = other.answers[key].turns if other else None
+        for i, turn in enumerate(ans.turns):
+            if other_turns is not None and i >= len(other_turns):
+                continue
+            yield cat, i, turn, (other_turns[i] if other_turns is not None else None)
+
+
+def _block(units: list, lossless: bool, baseline: bool) -> dict:
+    out = summarize([u[2] for u in units], lossless)
+    if baseline:
+        base = summarize([u[3] for u in units], True)
+        out["baseline_tokens_per_s"] = base["tokens_per_s"]
+        out["speedup"] = ratio(out["tokens_per_s"], base["tokens_per_s"])
+        out["exact_match_rate"] = ratio(sum(same_answer(u[2], u[3]) for u in units), len(units))
+    else:
+        out["baseline_tokens_per_s"] = out["speedup"] = out["exact_match_rate"] = None
+    return out
+
+
+def pick_baseline(af: AnswerFile, baselines: list[AnswerFile]) -> AnswerFile | None:
+    """The baseline file for a run: the one of the same bench (meta), else the only one given."""
+    if not baselines:
+        return None
+    same = [b for b in baselines if af.bench is not None and b.bench == af.bench]
+    if same:
+        return same[0]
+    if len(baselines) == 1:
+        if af.bench and baselines[0].bench and af.bench != baselines[0].bench:
+            warn(f"{af.path}: bench {af.bench} compared with a baseline of bench {baselines[0].bench}")
+        return baselines[0]
+    warn(f"{af.path}: no baseline file of bench {af.bench}; speedup not computed")
+    return None
+
+
+def analyze_run(af: AnswerFile, baseline: AnswerFile | None, questions: dict | None = None) -> dict:
+    """All figures of one answer file against its baseline.
+
+    Args:
+        af: The answer file.
+        baseline: The plain-decoding answer file of the same target and prompts (or None).
+        questions: Optional question set: restricts the questions and supplies categories.
+
+    Returns:
+        A dict of run figures with ``per_category`` and ``per_turn`` breakdowns.
+
+    Raises:
+        EvalError: When no question is shared with the question set or the baseline.
+    """
+    keys = list(af.answers)
+    if questions is not None:
+        keys = [k for k in keys if k in questions]
+        if not keys:
+            raise EvalError(f"{af.path}: no answer matches a question of the question file")
+    if baseline is not None:
+        missing = [k for k in keys if k not in baseline.answers]
+        if missing:
+            warn(f"{af.path}: {len(missing)} question(s) absent from the baseline {baseline.path}; left out")
+        keys = [k for k in keys if k in baseline.answers]
+        if not keys:
+            raise EvalError(f"{af.path}: no question in common with the baseline {baseline.path}")
+    units = list(_units(af, keys, questions, baseline))
+    lossless = not af.dropmatch
+    has_base = baseline is not None
+    out = {
+        "file": str(af.path), "model_id": af.model_id, "label": af.label, "method": af.method,
+        "bench": af.bench, "tree": af.tree, "depth": af.depth,
+        "baseline_file": str(baseline.path) if baseline else None,
+        "n_questions": len(keys),
+    }
+    out.update(_block(units, lossless, has_base))
+    out["exact_match_questions"] = (sum(
+        all(same_answer(t, b) for t, b in zip(af.answers[k].turns, baseline.answers[k].turns)) for k in keys)
+        if has_base else None)
+    cats: dict[str, list] = OrderedDict()
+    turns: dict[str, list] = OrderedDict()
+    for u in units:
+        cats.setdefault(u[0], []).append(u)
+        turns.setdefault(str(u[1] + 1), []).append(u)
+    out["per_category"] = {c: _block(us, lossless, has_base) for c, us in cats.items()}
+    out["per_turn"] = {t: _block(us, lossless, has_base) for t, us in turns.items()}
+    return out
+
+
+def aggregate(runs: list[dict], keys: Sequence[str] = RUN_METRICS) -> dict:
+    """Mean and sample std (``<key>_std``, None for a single run) of run figures."""
+    out = {}
+    for k in keys:
+        vals = [r.get(k) for r in runs]
+        out[k] = mean(vals)
+        out[f"{k}_std"] = std(vals)
+    return out
+
+
+def group_runs(files: list[AnswerFile], runs: list[dict]) -> list[dict]:
+    """Group repeated runs of one configuration; figures are means with ``_std`` companions."""
+    groups: dict[str, list[int]] = OrderedDict()
+    for i, af in enumerate(files):
+        groups.setdefault(af.settings_key, []).append(i)
+    out = []
+    for idx in groups.values():
+        rs = [runs[i] for i in idx]
+        first = files[idx[0]]
+        g = {"label": first.label, "model_id": first.model_id, "method": first.method, "bench": first.bench,
+             "tree": first.tree, "depth": first.depth, "settings": first.meta,
+             "n_runs": len(rs), "files": [r["file"] for r in rs]}
+        g.update(aggregate(rs))
+        cats = OrderedDict((c, None) for r in rs for c in r["per_category"])
+        g["per_category"] = {c: aggregate([r["per_category"][c] for r in rs if c in r["per_category"]])
+                             for c in cats}
+        out.append(g)
+    return out
+
+
+def speed_report(answer_files: Sequence[str], baseline_files: Sequence[str] = (),
+                 questions: dict | None = None) -> dict:
+    """The full speed report as a JSON-able dict (top-level figures: the group of the first answer file)."""
+    files = [load_answers(p) for p in answer_files]
+    baselines = [load_answers(p) for p in baseline_files]
+    runs = [analyze_run(af, pick_baseline(af, baselines), questions) for af in files]
+    groups = group_runs(files, runs)
+    top = {k: groups[0].get(k) for k in ("label", "bench", "tree", "depth", "n_runs") + RUN_METRICS}
+    top.update({f"{k}_std": groups[0].get(f"{k}_std") for k in RUN_METRICS})
+    top["per_category"] = groups[0]["per_category"]
+    top["groups"] = groups
+    top["runs"] = runs
+    return top
+
+
+def _pm(value, sd, digits=2):
+    return fmt(value, digits) + (f" ± {sd:.{digits}f}" if sd is not None else "")
+
+
+def render_text(report: dict) -> str:
+    """Plain-text (Markdown) tables of a speed report."""
+    lines = ["| method | bench | tree | runs | tau | exact tau | tokens/s | speedup | exact match | agreement "
+             "| set size |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for g in report["groups"]:
+        lines.append(
+            f"| {g['label']} | {g['bench'] or '-'} | {g['tree']} | {g['n_runs']} | {_pm(g['tau'], g['tau_std'])} "
+            f"| {_pm(g['exact_tau'], g['exact_tau_std'])} | {_pm(g['tokens_per_s'], g['tokens_per_s_std'], 1)} "
+            f"| {_pm(g['speedup'], g['speedup_std'])} | {fmt(g['exact_match_rate'], 3)} "
+            f"| {fmt(g['agreement'], 3)} | {fmt(g['accepted_set_size'], 2)} |")
+    for g in report["groups"]:
+        lines += ["", f"{g['label']} ({g['bench'] or '-'}), per category:", "",
+                  "| category | tau | exact tau | tokens/s | speedup | exact match |", "|---|---|---|---|---|---|"]
+        for c, v in g["per_category"].items():
+            lines.append(f"| {c} | {fmt(v['tau'])} | {fmt(v['exact_tau'])} | {fmt(v['tokens_per_s'], 1)} "
+                         f"| {fmt(v['speedup'])} | {fmt(v['exact_match_rate'], 3)} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> OneLineParser:
+    """The argument parser of ``python -m evaluation.speed``."""
+    p = OneLineParser(prog="python -m evaluation.speed", description=__doc__.split("\n\n")[0])
+    p.add_argument("--answer-file", nargs="+", required=True, action="extend", metavar="FILE",
+                   help="answer files (several files of one configuration are averaged)")
+    p.add_argument("--baseline-file", nargs="+", action="extend", default=[], metavar="FILE",
+                   help="plain-decoding answer file(s); one per bench, matched by the meta 'bench'")
+    p.add_argument("--bench", help="restrict to / categorise by this bench's questions")
+    p.add_argument("--question-file", help="restrict to / categorise by the questions of this file")
+    p.add_argument("--data-dir", help="data directory for --bench")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--output", help="also write the JSON report to this file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m evaluation.speed``."""
+    args = build_parser().parse_args(argv)
+    questions = load_questions(args.question_file, args.bench, args.data_dir)
+    report = speed_report(args.answer_file, args.baseline_file, questions)
+    if args.output:
+        write_json(args.output, report)
+    if args.json:
+        print_json(report)
+    else:
+        print(render_text(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, prog="python -m evaluation.speed"))

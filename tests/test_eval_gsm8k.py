@@ -1,0 +1,60 @@
+"""GSM8K final-answer extraction and accuracy."""
+
+import json
+
+import pytest
+
+from evaluation import gsm8k
+from evaluation.common import run_cli
+
+
+@pytest.mark.parametrize("text, value", [
+    ("She pays 5 + 7 = 12 dollars.\n#### 12", 12.0),
+    ("#### 1,234", 1234.0),
+    ("Total is $1,000.", 1000.0),
+    ("Step 1: 3 * 4 = 12. #### 18. Then 99", 18.0),  # '####' wins over a later number
+    ("The final answer is \\boxed{42}. Check: 7", 42.0),
+    ("So the answer is 36 apples, not 40 apples", 36.0),  # 'answer is' wins over the last number
+    ("The answer is: $18.50", 18.5),
+    ("The answer is **7**.", 7.0),
+    ("He is 10 years old, in 3-4 years he will be 14", 14.0),  # a hyphen is not a minus sign
+    ("The temperature drops to -3 degrees", -3.0),
+    ("1,5 and 12345", 12345.0),
+    ("no number at all", None),
+    ("", None),
+])
+def test_extract_answer(text, value):
+    assert gsm8k.extract_answer(text) == value
+
+
+def test_reference_and_compare():
+    assert gsm8k.reference_answer({"reference": ["work <<7+11=18>>18\n#### 109"]}) == 109
+    assert gsm8k.reference_answer({"reference": ["no marker"]}) is None
+    assert gsm8k.same_number(109.0, 109) and not gsm8k.same_number(None, 1) and not gsm8k.same_number(108, 109)
+    assert gsm8k.to_number("$1,000.") == 1000.0
+
+
+def test_accuracy_cli(tmp_path, capsys):
+    qs = [{"question_id": i, "category": "math", "turns": [f"q{i}"], "reference": [f"... #### {ref}"]}
+          for i, ref in enumerate(["18", "1,000", "7", "3"])]
+    qs.append({"question_id": 9, "category": "math", "turns": ["no ref"]})
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in qs))
+    answers = ["So #### 18", "The answer is $1,000.", "I think 8", None]  # q3 unanswered
+    rows = [{"question_id": i, "model_id": "m", "choices": [{"index": 0, "turns": [a]}]}
+            for i, a in enumerate(answers) if a is not None]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = run_cli(gsm8k.main, ["--answer-file", str(tmp_path / "a.jsonl"), "--question-file",
+                              str(tmp_path / "q.jsonl"), "--json"], prog="gsm8k")
+    cap = capsys.readouterr()
+    res = json.loads(cap.out)
+    assert rc == 0 and res["n"] == 3 and res["correct"] == 2 and res["accuracy"] == pytest.approx(2 / 3)
+    assert res["missing"] == 1 and res["no_reference"] == 1 and "no answer" in cap.err
+
+
+def test_bad_input_exits_2(tmp_path, capsys):
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": 0, "turns": ["x"]}) + "\n")
+    (tmp_path / "a.jsonl").write_text(json.dumps({"question_id": 0, "choices": [{"turns": ["1"]}]}) + "\n")
+    rc = run_cli(gsm8k.main, ["--answer-file", str(tmp_path / "a.jsonl"), "--question-file",
+                              str(tmp_path / "q.jsonl")], prog="gsm8k")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "#### N" in err[0]

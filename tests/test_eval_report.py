@@ -1,0 +1,113 @@
+"""evaluation.report: the Markdown table, the PNG plots and bad input."""
+
+import builtins
+import json
+
+import pytest
+
+from evaluation import report
+from evaluation.common import run_cli
+
+META = {"method": "eagle3", "model_path": "t", "ea_model_path": "h", "bench": "mt_bench", "dtype": "bf16",
+        "device": "cpu", "total_token": 32, "depth": 4, "top_k": 8, "temperature": 0.0, "top_p": 1.0,
+        "dropmatch_k": 0, "dropout_p": 0.0, "dropmatch_rule": "token", "seed": 0, "max_new_tokens": 64}
+
+
+def write_run(path, meta, tokens, wall, rounds):
+    """One question, one turn: ``tokens`` tokens in ``wall`` seconds over ``rounds`` rounds."""
+    acc = [tokens // rounds] * rounds
+    acc[-1] += tokens - sum(acc)
+    rec = {"question_id": 81, "category": "writing", "model_id": meta.get("model_id", "m"),
+           "choices": [{"index": 0, "turns": [f"{path.name} answer"], "token_ids": [list(range(tokens))],
+                        "new_tokens": [tokens], "wall_time": [wall], "idxs": [rounds - 1],
+                        "accept_lengths": [acc], "exact_accept_lengths": [acc]}]}
+    path.write_text(json.dumps(rec) + "\n")
+    (path.parent / (path.name + ".meta.json")).write_text(json.dumps(meta))
+    return str(path)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    base = write_run(tmp_path / "base.jsonl", {**META, "method": "baseline", "model_id": "base"}, 40, 4.0, 40)
+    e3 = write_run(tmp_path / "e3.jsonl", {**META, "model_id": "e3"}, 40, 2.0, 16)  # tau 2.5, 20 tok/s, 2x
+    dm_a = write_run(tmp_path / "dm_a.jsonl", {**META, "dropmatch_k": 5, "dropout_p": 0.3, "seed": 1}, 40, 1.6, 10)
+    dm_b = write_run(tmp_path / "dm_b.jsonl", {**META, "dropmatch_k": 5, "dropout_p": 0.3, "seed": 2}, 40, 2.4, 10)
+    e3d6 = write_run(tmp_path / "e3d6.jsonl", {**META, "depth": 6, "model_id": "e3d6"}, 40, 1.6, 12)
+    g = tmp_path / "gsm8k.json"
+    g.write_text(json.dumps({"accuracy": 0.813, "n": 80}))
+    s = tmp_path / "single.json"
+    s.write_text(json.dumps({"mode": "single", "score": 8.52, "n": 160, "errors": 0}))
+    p = tmp_path / "pair.json"
+    p.write_text(json.dumps({"mode": "pairwise", "win_rate": 0.48, "ci95": [0.40, 0.56], "wins": 1}))
+    q = tmp_path / "quality.json"
+    q.write_text(json.dumps({"exact_match_rate": 0.25, "sbert_cosine": 0.91, "loglik_rel_diff": -0.012}))
+    return {"base": base, "e3": e3, "dm_a": dm_a, "dm_b": dm_b, "e3d6": e3d6, "gsm8k": str(g), "single": str(s),
+            "pair": str(p), "quality": str(q), "dir": tmp_path}
+
+
+def argv(r, *extra):
+    return ["--baseline-file", r["base"], "--run", f"EAGLE-3={r['e3']}", "--run", f"EAGLE-3 D6={r['e3d6']}",
+            "--run", f"DropMatch={r['dm_a']}", "--run", f"DropMatch={r['dm_b']}", "--run", f"DM K=5={r['dm_a']}",
+            "--gsm8k", f"DropMatch={r['gsm8k']}", "--judge", f"DropMatch={r['single']}",
+            "--judge", f"DropMatch={r['pair']}", "--quality", f"DropMatch={r['quality']}", *extra]
+
+
+def test_table(runs, capsys):
+    assert run_cli(report.main, argv(runs), prog="report") == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("| Method | Tree / draft length | tau | Tokens/s | Speedup | GSM8K acc. (%) | "
+                               "MT-Bench | Win rate (%) | Exact match vs lossless | SBERT cosine |")
+    assert lines[2] == "| baseline | - | 1.00 | 10.0 | 1.00x | - | - | - | - | - | - |"
+    assert lines[3] == "| EAGLE-3 | N=32, D=4, K=8 | 2.50 | 20.0 | 2.00x | - | - | - | - | - | - |"
+    # DropMatch: two seeds, 40 tokens in 1.6 s and 2.4 s -> 25 and 16.67 tok/s (mean 20.83, std 5.89)
+    assert lines[5] == ("| DropMatch | N=32, D=4, K=8 | 4.00 ± 0.00 | 20.8 ± 5.9 | 2.08 ± 0.59x | 81.3 | 8.52 "
+                        "| 48.0 [40.0, 56.0] | 0.250 | 0.910 | -0.0120 |")
+
+
+def test_json_and_plots(runs, capsys):
+    out = runs["dir"] / "out"
+    assert run_cli(report.main, argv(runs, "--out", str(out), "--json"), prog="report") == 0
+    res = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in res["rows"]}
+    assert rows["DropMatch"]["n_runs"] == 2 and rows["DropMatch"]["family"] == "EAGLE-3 + DropMatch (K=5, p=0.3)"
+    assert rows["EAGLE-3 D6"]["depth"] == 6 and rows["EAGLE-3"]["gsm8k_accuracy"] is None
+    assert rows["DM K=5"]["n_runs"] == 1 and rows["DM K=5"]["tokens_per_s"] == pytest.approx(25.0)
+    assert (out / "report.md").read_text().count("|") > 20 and (out / "report.json").exists()
+    pytest.importorskip("matplotlib")
+    assert sorted(p.split("/")[-1] for p in res["plots"]) == ["quality_vs_speedup.png", "tau_speedup_vs_depth.png"]
+    for name in ("tau_speedup_vs_depth.png", "quality_vs_speedup.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_skipped_without_matplotlib(runs, capsys, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    out = runs["dir"] / "out2"
+    assert run_cli(report.main, argv(runs, "--out", str(out)), prog="report") == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: matplotlib is not installed (pip install matplotlib); plots skipped"]
+    assert (out / "report.md").exists() and not list(out.glob("*.png"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gsm8k", "Nobody=x.json"], "neither a --run NAME"),
+    (["--run", "broken"], "NAME=FILE"),
+    (["--judge", "EAGLE-3=/nonexistent.json"], "not found"),
+])
+def test_bad_input_exits_2(runs, capsys, extra, message):
+    rc = run_cli(report.main, argv(runs, *extra), prog="report")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0]
+
+
+def test_result_file_of_wrong_kind_exits_2(runs, capsys):
+    rc = run_cli(report.main, ["--run", f"EAGLE-3={runs['e3']}", "--gsm8k", f"EAGLE-3={runs['single']}"],
+                 prog="report")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "accuracy" in err[0]

@@ -1,0 +1,188 @@
+"""Speed / tau arithmetic of evaluation.speed on hand-made answer files (expected numbers worked out by hand)."""
+
+import json
+import math
+
+import pytest
+
+from evaluation import speed
+from evaluation.common import run_cli
+
+META_DM = {"method": "eagle3", "model_path": "t", "ea_model_path": "h", "bench": "mt_bench", "dtype": "bf16",
+           "device": "cpu", "total_token": 32, "depth": 5, "top_k": 8, "temperature": 0.0, "top_p": 1.0,
+           "dropmatch_k": 5, "dropout_p": 0.3, "dropmatch_rule": "token", "seed": 1, "max_new_tokens": 20,
+           "model_id": "smollm2-eagle3-dm5"}
+META_BASE = {**META_DM, "method": "baseline", "dropmatch_k": 0, "dropout_p": 0.0, "model_id": "smollm2-baseline"}
+
+
+def write_answers(path, records, meta=None):
+    """Write an answer file (records: dicts with question_id, category and the choice fields)."""
+    with open(path, "w") as fh:
+        for r in records:
+            choice = {k: v for k, v in r.items() if k not in ("question_id", "category")}
+            choice["index"] = 0
+            n_turns = len(r["new_tokens"])
+            choice.setdefault("turns", [f"{path.stem} answer {r['question_id']} {i}" for i in range(n_turns)])
+            fh.write(json.dumps({"question_id": r["question_id"], "category": r["category"], "answer_id": "x",
+                                 "model_id": (meta or {}).get("model_id", "m"), "tstamp": 0.0,
+                                 "choices": [choice]}) + "\n")
+    if meta is not None:
+        with open(str(path) + ".meta.json", "w") as fh:
+            json.dump(meta, fh)
+    return str(path)
+
+
+def ids(n, start=0):
+    return list(range(start, start + n))
+
+
+def baseline_records():
+    # q1 writing: 10 + 20 tokens in 1.0 + 2.0 s; q2 math: 8 + 12 tokens in 1.0 + 1.0 s -> 50 tokens / 5 s = 10 tok/s
+    recs = []
+    for qid, cat, lens, walls in ((1, "writing", (10, 20), (1.0, 2.0)), (2, "math", (8, 12), (1.0, 1.0))):
+        recs.append({"question_id": qid, "category": cat, "token_ids": [ids(lens[0]), ids(lens[1], 100)],
+                     "new_tokens": list(lens), "wall_time": list(walls), "idxs": [n - 1 for n in lens],
+                     "accept_lengths": [[1] * n for n in lens], "exact_accept_lengths": [[1] * n for n in lens],
+                     "agreement": None, "accepted_set_size": None})
+    return recs
+
+
+def dm_records(wall_scale=1.0):
+    # q1 t1: same ids as the baseline, rounds 3, exact [2,4,3] -> 9
+    # q1 t2: 18 ids (differs), rounds 4, accept [5,5,5,5] (sum 20: last round cut by 2 -> keeps 3),
+    #        exact [3,5,2,4] -> 3+5+2+min(4,3) = 13
+    # q2 t1: same 8 ids, rounds 2, exact [4,2] -> 6;  q2 t2: 12 ids (differs), rounds 2, exact [6,6] -> 12
+    w = [x * wall_scale for x in (0.5, 0.5, 0.25, 0.75)]
+    return [
+        {"question_id": 1, "category": "writing", "token_ids": [ids(10), ids(18, 500)], "new_tokens": [10, 18],
+         "wall_time": w[:2], "idxs": [2, 3], "accept_lengths": [[3, 4, 3], [5, 5, 5, 5]],
+         "exact_accept_lengths": [[2, 4, 3], [3, 5, 2, 4]], "agreement": [0.9, 0.8],
+         "accepted_set_size": [1.2, 1.4]},
+        {"question_id": 2, "category": "math", "token_ids": [ids(8), ids(12, 700)], "new_tokens": [8, 12],
+         "wall_time": w[2:], "idxs": [1, 1], "accept_lengths": [[4, 4], [6, 6]],
+         "exact_accept_lengths": [[4, 2], [6, 6]], "agreement": [1.0, 0.7], "accepted_set_size": [1.0, 1.6]},
+    ]
+
+
+@pytest.fixture
+def files(tmp_path):
+    base = write_answers(tmp_path / "base.jsonl", baseline_records(), META_BASE)
+    dm = write_answers(tmp_path / "dm.jsonl", dm_records(), META_DM)
+    dm2 = write_answers(tmp_path / "dm2.jsonl", dm_records(2.0), {**META_DM, "seed": 2})
+    return base, dm, dm2
+
+
+def test_single_run_figures(files):
+    base, dm, _ = files
+    rep = speed.speed_report([dm], [base])
+    run = rep["runs"][0]
+    assert run["new_tokens"] == 48 and run["wall_time"] == pytest.approx(2.0)
+    assert run["tokens_per_s"] == pytest.approx(24.0)
+    assert run["baseline_tokens_per_s"] == pytest.approx(10.0)
+    assert run["speedup"] == pytest.approx(2.4)
+    assert run["tau"] == pytest.approx(48 / 11)
+    assert run["exact_tau"] == pytest.approx(40 / 11)
+    assert run["exact_match_rate"] == pytest.approx(0.5)
+    assert run["exact_match_questions"] == 0
+    assert run["agreement"] == pytest.approx(0.85)
+    assert run["accepted_set_size"] == pytest.approx(1.3)
+    w, m = run["per_category"]["writing"], run["per_category"]["math"]
+    assert w["tokens_per_s"] == pytest.approx(28.0) and w["speedup"] == pytest.approx(2.8)
+    assert w["tau"] == pytest.approx(4.0) and w["exact_tau"] == pytest.approx(22 / 7)
+    assert m["tokens_per_s"] == pytest.approx(20.0) and m["speedup"] == pytest.approx(2.0)
+    assert m["tau"] == pytest.approx(5.0) and m["exact_tau"] == pytest.approx(4.5)
+    assert run["per_turn"]["1"]["exact_match_rate"] == 1.0 and run["per_turn"]["2"]["exact_match_rate"] == 0.0
+    for key in ("tau", "tokens_per_s", "speedup", "exact_tau", "exact_match_rate", "agreement", "per_category"):
+        assert key in rep
+    assert rep["tau"] == pytest.approx(48 / 11) and rep["n_runs"] == 1 and rep["tau_std"] is None
+    assert run["label"] == "EAGLE-3 + DropMatch (K=5, p=0.3)" and run["tree"] == "N=32, D=5, K=8"
+
+
+def test_repeats_mean_and_std(files):
+    base, dm, dm2 = files
+    rep = speed.speed_report([dm, dm2], [base])
+    assert len(rep["groups"]) == 1 and rep["n_runs"] == 2
+    assert rep["tokens_per_s"] == pytest.approx(18.0)  # (24 + 12) / 2
+    assert rep["tokens_per_s_std"] == pytest.approx(math.sqrt(72))  # sample std of 24 and 12
+    assert rep["speedup"] == pytest.approx(1.8) and rep["speedup_std"] == pytest.approx(math.sqrt(0.72))
+    assert rep["tau"] == pytest.approx(48 / 11) and rep["tau_std"] == pytest.approx(0.0)
+    assert rep["per_category"]["writing"]["tokens_per_s"] == pytest.approx((28 + 14) / 2)
+
+
+def test_different_settings_are_separate_groups(tmp_path, files):
+    base, dm, _ = files
+    other = write_answers(tmp_path / "d7.jsonl", dm_records(), {**META_DM, "depth": 7})
+    rep = speed.speed_report([dm, other], [base])
+    assert [g["n_runs"] for g in rep["groups"]] == [1, 1]
+
+
+def test_lossless_exact_tau_equals_tau(tmp_path, files):
+    base = files[0]
+    recs = dm_records()
+    for r in recs:
+        r.pop("exact_accept_lengths")
+        r["agreement"] = r["accepted_set_size"] = None
+    lossless = write_answers(tmp_path / "e3.jsonl", recs, {**META_DM, "dropmatch_k": 0, "dropout_p": 0.0})
+    run = speed.speed_report([lossless], [base])["runs"][0]
+    # accept lengths sum to 10 + 20 + 8 + 12 = 50 but only 48 tokens were kept: the cut last round is honoured
+    assert run["exact_tau"] == pytest.approx(run["tau"]) == pytest.approx(48 / 11)
+    assert run["agreement"] is None and run["label"] == "EAGLE-3"
+
+
+def test_baseline_tau_is_one_and_question_filter(tmp_path, files):
+    base, dm, _ = files
+    qf = tmp_path / "q.jsonl"
+    qf.write_text(json.dumps({"question_id": 2, "category": "math", "turns": ["a", "b"]}) + "\n")
+    from evaluation.questions import load_questions
+
+    rep = speed.speed_report([dm], [base], load_questions(str(qf)))
+    assert rep["runs"][0]["n_questions"] == 1 and list(rep["per_category"]) == ["math"]
+    assert speed.speed_report([base], [base])["tau"] == pytest.approx(1.0)
+
+
+def test_missing_meta_and_token_ids_fall_back(tmp_path, files, capsys):
+    base = files[0]
+    recs = dm_records()
+    for r in recs:
+        r.pop("token_ids")
+        r.pop("agreement")
+    path = write_answers(tmp_path / "nometa.jsonl", recs, None)
+    run = speed.speed_report([path], [base])["runs"][0]
+    err = capsys.readouterr().err
+    assert "no meta file" in err and "token_ids" in err
+    assert run["label"] == "m" and run["new_tokens"] == 48
+    assert run["exact_match_rate"] == 0.0  # texts compared instead of ids, with a warning
+    assert run["agreement"] is None
+
+
+def test_cli_json(files, capsys):
+    base, dm, dm2 = files
+    assert speed.main(["--answer-file", dm, dm2, "--baseline-file", base, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens_per_s"] == pytest.approx(18.0) and len(out["runs"]) == 2
+    assert speed.main(["--answer-file", dm, "--baseline-file", base]) == 0
+    text = capsys.readouterr().out
+    assert "| EAGLE-3 + DropMatch (K=5, p=0.3) | mt_bench |" in text and "2.40" in text
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json\n", "not valid JSON"),
+    ('{"question_id": 1}\n', "choices"),
+    ('{"question_id": 1, "choices": [{"turns": ["a"], "new_tokens": [1, 2]}]}\n', "one entry per turn"),
+    ("", "empty"),
+])
+def test_bad_answer_file_exits_2_with_one_line(tmp_path, files, capsys, content, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    rc = run_cli(speed.main, ["--answer-file", str(bad), "--baseline-file", files[0]], prog="speed")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0]
+
+
+def test_missing_file_and_bad_option_exit_2(tmp_path, capsys):
+    assert run_cli(speed.main, ["--answer-file", str(tmp_path / "nope.jsonl")], prog="speed") == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as exc:
+        speed.main(["--bogus"])
+    assert exc.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
