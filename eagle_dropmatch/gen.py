@@ -54,8 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--top-p", type=float, default=1.0)
     a("--sample-top-k", type=int, default=0, help="top-k filter when sampling (0 = off)")
     a("--dropmatch-k", type=int, default=0, help="DropMatch samples K (0 = lossless EAGLE-3)")
-    a("--dropout-p", type=float, default=0.3, help="DropMatch dropout probability")
-    a("--dropmatch-protect", type=int, default=0, help="largest-|h| dimensions never dropped")
+    a("--dropout-p", default="0.3",
+      help="DropMatch dropout probability, or 'auto[:RATE]': chosen per request from the prompt so that "
+           "the samples disagree at RATE of positions (default 0.02)")
+    a("--dropmatch-protect", default="0",
+      help="largest-|h| dimensions never dropped, or 'auto' (the prompt's outlier dimensions)")
     a("--dropmatch-shortlist", type=int, default=64,
       help="at T=0 score samples over the top-M undropped tokens plus the tree (0 = full vocabulary)")
     a("--dropmatch-rule", default="match", choices=["match", "js", "topk"],
@@ -111,15 +114,23 @@ def default_model_id(args: argparse.Namespace) -> str:
         tag = f"{name}-eagle3-{args.total_token}-{args.depth}-{args.top_k}"
     if args.dropmatch_rule == "topk":
         tag += f"-top{args.rule_top_k}"
-    elif args.dropmatch_k > 0 and args.dropout_p > 0:
+    elif args.dropmatch_k > 0 and args.dropout_p.strip() not in ("0", "0.0", "0."):
         tag += f"-dm{args.dropmatch_k}-p{args.dropout_p}"
-        if args.dropmatch_protect:
+        if args.dropmatch_protect.strip() != "0":
             tag += f"-protect{args.dropmatch_protect}"
         if args.dropmatch_rule != "match":
             tag += f"-{args.dropmatch_rule}"
     if args.temperature > 0:
         tag += f"-t{args.temperature}"
     return f"{tag}-{args.dtype}"
+
+
+def _number_or_text(value: str):
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return int(number) if number.is_integer() and "." not in value else number
 
 
 def run_settings(args: argparse.Namespace, model_id: str) -> dict:
@@ -133,8 +144,8 @@ def run_settings(args: argparse.Namespace, model_id: str) -> dict:
         "dtype": args.dtype, "device": args.device, "total_token": length + 1 if sd else args.total_token,
         "depth": length if sd else args.depth, "top_k": 1 if sd else args.top_k,
         "draft_length": length if sd else None, "temperature": args.temperature, "top_p": args.top_p,
-        "sample_top_k": args.sample_top_k, "dropmatch_k": args.dropmatch_k, "dropout_p": args.dropout_p,
-        "dropmatch_protect": args.dropmatch_protect, "dropmatch_shortlist": args.dropmatch_shortlist,
+        "sample_top_k": args.sample_top_k, "dropmatch_k": args.dropmatch_k, "dropout_p": _number_or_text(args.dropout_p),
+        "dropmatch_protect": _number_or_text(args.dropmatch_protect), "dropmatch_shortlist": args.dropmatch_shortlist,
         "dropmatch_rule": args.dropmatch_rule,
         "rule_top_k": args.rule_top_k if args.dropmatch_rule == "topk" else None,
         "seed": args.seed, "max_new_tokens": args.max_new_tokens,
@@ -212,7 +223,8 @@ def answer_question(model, question: dict, args: argparse.Namespace) -> dict:
     """Generate every turn of one question (turn k sees the answers to turns < k)."""
     messages: list[dict] = []
     turns, stats = [], {k: [] for k in ("token_ids", "new_tokens", "wall_time", "idxs", "accept_lengths",
-                                        "exact_accept_lengths", "agreement", "accepted_set_size")}
+                                        "exact_accept_lengths", "agreement", "accepted_set_size",
+                                        "dropout_p", "protect", "prefill_time", "calibration_time")}
     for turn in question["turns"]:
         messages.append({"role": "user", "content": turn})
         out = generate_turn(model, prompt_ids(model, messages, args, question["question_id"]), args)
@@ -223,7 +235,10 @@ def answer_question(model, question: dict, args: argparse.Namespace) -> dict:
                            ("wall_time", round(out.wall_time, 6)), ("idxs", out.rounds - 1),
                            ("accept_lengths", out.accept_lengths),
                            ("exact_accept_lengths", out.exact_accept_lengths),
-                           ("agreement", out.agreement), ("accepted_set_size", out.accepted_set_size)):
+                           ("agreement", out.agreement), ("accepted_set_size", out.accepted_set_size),
+                           ("dropout_p", out.dropout_p), ("protect", out.protect),
+                           ("prefill_time", round(out.prefill_time, 6)),
+                           ("calibration_time", round(out.calibration_time, 6))):
             stats[key].append(value)
     return {"question_id": question["question_id"], "category": question.get("category"),
             "answer_id": uuid.uuid4().hex, "model_id": args.model_id, "tstamp": time.time(),

@@ -9,6 +9,7 @@ compare like with like.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +19,8 @@ from transformers import DynamicCache
 
 from .acceptance import (DraftView, TargetView, choose_tokens, exact, longest_accepted_path, make_rule,
                          rejection_tokens)
-from .dropmatch import DropMatchConfig, agreement_counts, sample_tokens
+from .dropmatch import (DropMatchConfig, ShortlistStats, agreement_counts, calibrate_dropout_p, choose_protect,
+                        sample_tokens)
 from .drafters import Drafter
 from .verify import compact_cache, decoder_of, lm_head_logits, target_forward
 
@@ -55,6 +57,10 @@ class Generation:
         wall_time: seconds from the prefill's start to the last commit.
         stop_reason: "eos", "length" or "context".
         verified_positions, agreeing_positions, accepted_set_total: DropMatch agreement counts.
+        shortlist: DropMatch samples certified by the shortlist / scored over the full vocabulary.
+        dropout_p, protect: the DropMatch settings used (chosen per request with ``auto``), else None.
+        calibration_time: seconds spent choosing them (next to the prefill's), 0 when fixed.
+        prefill_time: seconds of the prompt's target forward.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -65,6 +71,11 @@ class Generation:
     verified_positions: int = 0
     agreeing_positions: int = 0
     accepted_set_total: int = 0
+    shortlist: ShortlistStats = field(default_factory=ShortlistStats)
+    dropout_p: float | None = None
+    protect: int | None = None
+    calibration_time: float = 0.0
+    prefill_time: float = 0.0
 
     @property
     def rounds(self) -> int:
@@ -129,6 +140,14 @@ class SpeculativeDecoder:
         self.lm_head = target.get_output_embeddings()
         self.device = self.lm_head.weight.device
         self.max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+        self._weight_norm_max: float | None = None
+
+    @property
+    def weight_norm_max(self) -> float:
+        """max_v |W_v| of the LM head (computed once; DropMatch's shortlist certificate needs it)."""
+        if self._weight_norm_max is None:
+            self._weight_norm_max = float(self.lm_head.weight.float().norm(dim=-1).max())
+        return self._weight_norm_max
 
     # ------------------------------------------------------------------------------- helpers
 
@@ -197,6 +216,18 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------- speculative decoding
 
+    def _calibrate(self, dm: DropMatchConfig, prompt_hidden: torch.Tensor, seed: int,
+                   result: "Generation") -> DropMatchConfig:
+        """Resolve ``--dropmatch-protect auto`` and ``--dropout-p auto`` from the prompt's hidden states."""
+        start = time.perf_counter()
+        protect = choose_protect(prompt_hidden) if dm.auto_protect else dm.protect
+        p = dm.p
+        if dm.auto_rate is not None:
+            p = calibrate_dropout_p(prompt_hidden, self.lm_head.weight, self.lm_head.bias, dm.k, dm.auto_rate,
+                                    protect, _new_generator(self.device, seed + 1), self.weight_norm_max)
+        result.calibration_time = time.perf_counter() - start
+        return dataclasses.replace(dm, p=p, protect=protect, auto_rate=None, auto_protect=False)
+
     @torch.no_grad()
     def generate(self, input_ids, drafter: Drafter, cfg: DecodeConfig,
                  timer: RoundTimer | None = None) -> Generation:
@@ -227,10 +258,16 @@ class SpeculativeDecoder:
         drafter.start(prompt[0])
         with timer.section("target"):
             positions = torch.arange(prompt.shape[1], device=self.device)[None]
-            hidden, features = target_forward(self.decoder, prompt, positions, cache, None, aux)
+            hidden, features = target_forward(self.decoder, prompt, positions, cache, None, aux)  # [S, H]
         with timer.section("lm_head"):
             logits = lm_head_logits(self.lm_head, hidden[-1:])  # [1, V]
             root = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [1]
+        result.prefill_time = time.perf_counter() - start
+        if dm.active:
+            if dm.auto_rate is not None or dm.auto_protect:
+                with timer.section("calibration"):
+                    dm = self._calibrate(dm, hidden, cfg.seed, result)
+            result.dropout_p, result.protect = dm.p, dm.protect
         done = self._commit(result, [int(root)], 1, cfg)
         prefix = prompt.shape[1]  # committed entries in the target cache (the root is not in it)
         with timer.section("draft"):
@@ -259,7 +296,8 @@ class SpeculativeDecoder:
                     rows = tree.has_children.nonzero().flatten()  # [R] nodes whose set can matter
                     target_view.sample_tokens, target_view.sample_logits = sample_tokens(
                         hidden, self.lm_head.weight, self.lm_head.bias, logits, rows, tree.tokens, dm,
-                        cfg.temperature, cfg.top_p, cfg.sample_top_k, gen, return_logits=dm.rule == "js")
+                        cfg.temperature, cfg.top_p, cfg.sample_top_k, gen, return_logits=dm.rule == "js",
+                        weight_norm_max=self.weight_norm_max, stats=result.shortlist)
             # 3. Accept the longest path whose every token is in its parent's accepted set.
             with timer.section("bookkeeping"):
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))

@@ -130,7 +130,7 @@ class EagleModel:
     def generate(self, input_ids, *, max_new_tokens: int = 256, method: str | None = None,
                  total_token: int = 32, depth: int = 5, top_k: int = 8, draft_length: int = 5,
                  temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
-                 dropmatch_k: int = 0, dropout_p: float = 0.3, dropmatch_protect: int = 0,
+                 dropmatch_k: int = 0, dropout_p: float | str = 0.3, dropmatch_protect: int | str = 0,
                  dropmatch_shortlist: int = 64, dropmatch_rule: str = "match", rule_top_k: int = 2,
                  seed: int = 0, baseline: bool = False, timer: RoundTimer | None = None) -> Generation:
         """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
@@ -191,29 +191,64 @@ def check_rule_shape(rule: str, top_k: int) -> None:
                         "branching tree: use top-k 1 (EAGLE-3 chain mode) or a draft model")
 
 
+def parse_dropout_p(value: float | str) -> tuple[float, float | None]:
+    """``0.3`` -> (0.3, None); ``"auto"`` -> (0.0, 0.02); ``"auto:0.05"`` -> (0.0, 0.05)."""
+    text = str(value).strip()
+    if text.startswith("auto"):
+        rate = text[len("auto"):].lstrip(":") or "0.02"
+        try:
+            rate_value = float(rate)
+        except ValueError:
+            raise LoadError(f"dropout-p auto rate must be a number, got {rate!r}") from None
+        if not 0.0 < rate_value < 1.0:
+            raise LoadError(f"dropout-p auto rate must be in (0, 1), got {rate_value}")
+        return 0.0, rate_value
+    try:
+        p = float(text)
+    except ValueError:
+        raise LoadError(f"dropout-p must be a number in [0, 1), 'auto' or 'auto:RATE', got {text!r}") from None
+    if not 0.0 <= p < 1.0:
+        raise LoadError(f"dropout-p must be in [0, 1), got {p}")
+    return p, None
+
+
+def parse_protect(value: int | str) -> tuple[int, bool]:
+    """``3`` -> (3, False); ``"auto"`` -> (0, True)."""
+    if str(value).strip() == "auto":
+        return 0, True
+    try:
+        n = int(value)
+    except ValueError:
+        raise LoadError(f"dropmatch-protect must be an integer >= 0 or 'auto', got {value!r}") from None
+    if n < 0:
+        raise LoadError(f"dropmatch-protect must be >= 0, got {n}")
+    return n, False
+
+
 def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                       sample_top_k: int = 0, dropmatch_k: int = 0, dropout_p: float = 0.3,
-                       dropmatch_protect: int = 0, dropmatch_shortlist: int = 64,
+                       sample_top_k: int = 0, dropmatch_k: int = 0, dropout_p: float | str = 0.3,
+                       dropmatch_protect: int | str = 0, dropmatch_shortlist: int = 64,
                        dropmatch_rule: str = "match", rule_top_k: int = 2, seed: int = 0) -> DecodeConfig:
     """Validated decoding settings (LoadError with one clear sentence on bad values)."""
     if max_new_tokens < 1:
         raise LoadError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if dropmatch_k < 0:
         raise LoadError(f"dropmatch-k must be >= 0, got {dropmatch_k}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise LoadError(f"dropout-p must be in [0, 1), got {dropout_p}")
+    p, auto_rate = parse_dropout_p(dropout_p)
+    protect, auto_protect = parse_protect(dropmatch_protect)
     if temperature < 0:
         raise LoadError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise LoadError(f"top-p must be in (0, 1], got {top_p}")
-    if dropmatch_protect < 0 or dropmatch_shortlist < 0 or sample_top_k < 0:
-        raise LoadError("dropmatch-protect, dropmatch-shortlist and sample-top-k must be >= 0")
+    if dropmatch_shortlist < 0 or sample_top_k < 0:
+        raise LoadError("dropmatch-shortlist and sample-top-k must be >= 0")
     if dropmatch_rule not in RULE_NAMES:
         raise LoadError(f"dropmatch-rule must be one of {', '.join(RULE_NAMES)}, got {dropmatch_rule!r}")
     if rule_top_k < 1:
         raise LoadError(f"rule-top-k must be >= 1, got {rule_top_k}")
-    dm = DropMatchConfig(k=dropmatch_k, p=dropout_p, protect=dropmatch_protect,
-                         shortlist=dropmatch_shortlist, rule=dropmatch_rule, rule_top_k=rule_top_k)
+    dm = DropMatchConfig(k=dropmatch_k, p=p, protect=protect, shortlist=dropmatch_shortlist,
+                         rule=dropmatch_rule, rule_top_k=rule_top_k, auto_rate=auto_rate,
+                         auto_protect=auto_protect)
     return DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         sample_top_k=sample_top_k, dropmatch=dm, seed=seed)
 

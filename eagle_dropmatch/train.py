@@ -212,35 +212,6 @@ def generate_examples(target, tokenizer, prompts: list[str], work: Path, max_new
     bar.close()
 
 
-def assistant_mask(tokenizer, messages: list[dict], eos: list[int]) -> tuple[list[int], list[bool]]:
-    """Ids of a rendered conversation and a mask of exactly its assistant tokens.
-
-    Computed from the chat template generically: each assistant turn starts where the template's
-    generation prompt for the preceding messages ends, and runs through its first end-of-turn token.
-    """
-    full = render_full(tokenizer, messages)
-    mask = [False] * len(full)
-    for k, msg in enumerate(messages):
-        if msg["role"] != "assistant":
-            continue
-        prefix = render(tokenizer, messages[:k])
-        if full[:len(prefix)] != prefix:
-            raise TrainError("the chat template renders history differently from its generation prompt")
-        end = len(prefix)
-        while end < len(full) and full[end] not in eos:
-            end += 1
-        for i in range(len(prefix), min(end + 1, len(full))):
-            mask[i] = True
-    return full, mask
-
-
-def render_full(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def load_examples(work: Path) -> list[dict]:
     examples = []
     for shard in sorted(work.glob("responses_*.pt")):
@@ -353,10 +324,28 @@ def init_head_for_target(target, draft_ids: torch.Tensor, aux: list[int], seed: 
     return head
 
 
+def shuffled_by_shard(n: int, shard_size: int, seed: int) -> list[int]:
+    """A permutation of range(n): shards in random order, examples shuffled within each shard."""
+    rng = random.Random(seed)
+    shards = list(range(0, n, shard_size))
+    rng.shuffle(shards)
+    order = []
+    for start in shards:
+        block = list(range(start, min(start + shard_size, n)))
+        rng.shuffle(block)
+        order.extend(block)
+    return order
+
+
 def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, epochs: int, lr: float,
                steps: int, batch_tokens: int, seed: int, checkpoint_every: int, shard_size: int,
-               max_seq: int, log=print) -> dict:
-    """AdamW (0.9, 0.95), grad clip 0.5, cosine schedule, bf16 autocast; checkpoints and resumes."""
+               max_seq: int, max_updates: int | None = None, autocast: bool = True, log=print) -> dict:
+    """AdamW (0.9, 0.95), grad clip 0.5, cosine schedule, bf16 autocast; checkpoints and resumes.
+
+    A checkpoint is written every ``checkpoint_every`` optimizer updates, at the end of every epoch and when
+    ``max_updates`` stops the run early; rerunning continues from it exactly (same data order, same
+    optimizer state). Returns {"history": per-epoch acc_k, "stopped": whether max_updates stopped it}.
+    """
     from tqdm import tqdm
     draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
     draft_weight = target.get_output_embeddings().weight[draft_ids].detach().to(torch.bfloat16)
@@ -376,9 +365,13 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
     total_updates = max(1, epochs * sum(len(e["input_ids"]) for e in examples) // batch_tokens)
     history = []
     head.train()
+
+    def save(index: int) -> None:
+        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(),
+                    "state": {**state, "index": index}}, ckpt)
+
     for epoch in range(state["epoch"], epochs):
-        order = list(range(n))
-        random.Random(seed + epoch).shuffle(order)
+        order = shuffled_by_shard(n, shard_size, seed + epoch)  # one feature shard in memory at a time
         bar = tqdm(total=n, initial=state["index"], desc=f"epoch {epoch + 1}/{epochs}", file=sys.stderr)
         cached_shard, cached = -1, None
         acc_sum, cnt_sum, tokens = [0.0] * steps, [0] * steps, 0
@@ -394,9 +387,9 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
             if int(mask.sum()) == 0:
                 bar.update(1)
                 continue
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, accs, counts = ttt_loss(head, feat["features"][:max_seq], ids, feat["hidden"][:max_seq],
-                                              mask, draft_weight, steps)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss, accs, counts = ttt_loss(head, feat["features"][:max_seq].float(), ids,
+                                              feat["hidden"][:max_seq].float(), mask, draft_weight, steps)
             (loss * len(ids) / batch_tokens).backward()
             tokens += len(ids)
             for k in range(steps):
@@ -412,18 +405,22 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
                 tokens = 0
                 if state["updates"] % 10 == 0:
                     bar.set_postfix({f"acc_{k}": f"{acc_sum[k] / max(cnt_sum[k], 1):.3f}" for k in range(steps)})
+                if max_updates is not None and state["updates"] >= max_updates:
+                    save(pos + 1)
+                    bar.close()
+                    head.eval()
+                    return {"history": history, "stopped": True}
                 if state["updates"] % checkpoint_every == 0:
-                    state["index"] = pos + 1
-                    torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+                    save(pos + 1)
             bar.update(1)
         bar.close()
         accs = [acc_sum[k] / max(cnt_sum[k], 1) for k in range(steps)]
         history.append({"epoch": epoch + 1, **{f"acc_{k}": round(a, 4) for k, a in enumerate(accs)}})
         log(f"epoch {epoch + 1}: " + " ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(accs)))
         state = {"epoch": epoch + 1, "index": 0, "updates": state["updates"]}
-        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "state": state}, ckpt)
+        save(0)
     head.eval()
-    return {"history": history}
+    return {"history": history, "stopped": False}
 
 
 @torch.no_grad()
@@ -467,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--holdout", type=int, default=32, help="examples held out for the final acc_k")
     a("--shard-size", type=int, default=256)
     a("--checkpoint-every", type=int, default=50, help="optimizer updates between checkpoints")
+    a("--max-updates", type=int, help="stop (with a checkpoint) after this many optimizer updates")
     a("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
       help="dtype of generation and features (the dtype the head will serve in)")
     a("--seed", type=int, default=0)
@@ -544,7 +542,11 @@ def run(args: argparse.Namespace) -> int:
     result = train_head(head, feature_target, train_examples, work, epochs=args.epochs, lr=args.lr,
                         steps=args.ttt_steps, batch_tokens=args.batch_tokens, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, shard_size=args.shard_size,
-                        max_seq=args.max_seq, log=lambda m: print(m, file=sys.stderr))
+                        max_seq=args.max_seq, max_updates=args.max_updates,
+                        log=lambda m: print(m, file=sys.stderr))
+    if result["stopped"]:
+        print(f"stopped after {args.max_updates} updates; rerun the same command to continue", file=sys.stderr)
+        return 0
     held = examples[len(train_examples):]
     held_acc = []
     if held:

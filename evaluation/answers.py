@@ -21,7 +21,7 @@ from .common import EvalError, warn
 SETTING_KEYS = (
     "method", "model_path", "ea_model_path", "draft_model_path", "bench", "dtype", "device", "total_token",
     "depth", "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
-    "dropmatch_protect", "dropmatch_shortlist", "dropmatch_rule", "max_new_tokens", "conv_template",
+    "dropmatch_protect", "dropmatch_shortlist", "dropmatch_rule", "rule_top_k", "max_new_tokens", "conv_template",
     "system_prompt",
 )
 
@@ -98,9 +98,11 @@ class AnswerFile:
 
     @property
     def dropmatch(self) -> bool:
-        """Whether DropMatch was on (meta ``dropmatch_k`` > 0 and ``dropout_p`` > 0, or agreement recorded)."""
+        """Whether DropMatch was on (meta ``dropmatch_k`` > 0 and ``dropout_p`` > 0 or ``auto``, or agreement
+        recorded)."""
         if self.meta and "dropmatch_k" in self.meta:
-            return bool(self.meta.get("dropmatch_k")) and float(self.meta.get("dropout_p") or 0) > 0
+            p = self.meta.get("dropout_p") or 0
+            return bool(self.meta.get("dropmatch_k")) and (str(p).startswith("auto") or float(p) > 0)
         return any(t.agreement is not None for a in self.answers.values() for t in a.turns)
 
     @property
@@ -119,7 +121,11 @@ class AnswerFile:
         names = {"baseline": "Standard decoding", "eagle3": "EAGLE-3", "sd": "SD"}
         text = names.get(method, method)
         if method != "baseline" and self.dropmatch:
-            text += f" + DropMatch (K={self.meta.get('dropmatch_k')}, p={self.meta.get('dropout_p')})"
+            protect = self.meta.get("dropmatch_protect")
+            text += (f" + DropMatch (K={self.meta.get('dropmatch_k')}, p={self.meta.get('dropout_p')}"
+                     + (f", protect={protect}" if protect not in (None, 0, "0") else "") + ")")
+        elif self.meta.get("dropmatch_rule") == "topk":
+            text += f" + top-{self.meta.get('rule_top_k')} acceptance"
         return text
 
     @property

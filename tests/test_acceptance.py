@@ -5,7 +5,8 @@ import torch
 
 from eagle_dropmatch.acceptance import (DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         longest_accepted_path, process_logits, top_k_rule)
-from eagle_dropmatch.dropmatch import DropMatchConfig, agreement_counts, dropout_masks, sample_tokens
+from eagle_dropmatch.dropmatch import (DropMatchConfig, ShortlistStats, agreement_counts, dropout_masks,
+                                       sample_tokens)
 from eagle_dropmatch.tree import DraftTree
 
 V = 10
@@ -145,6 +146,28 @@ def test_shortlist_equals_full_vocabulary_when_it_covers_the_vocabulary():
     assert torch.equal(full, short)
 
 
+@pytest.mark.parametrize("p", [0.002, 0.05, 0.3])
+def test_certified_shortlist_equals_full_vocabulary(p):
+    gen_data = torch.Generator().manual_seed(2)
+    vocab, width, n = 2000, 64, 40
+    hidden = torch.randn(n, width, generator=gen_data)
+    hidden[:, 3] *= 12  # a massive-activation dimension, as in SmolLM2
+    weight = torch.randn(vocab, width, generator=gen_data) * 0.2
+    bias = torch.randn(vocab, generator=gen_data) * 0.1
+    logits = hidden @ weight.T + bias
+    tree = torch.randint(0, vocab, (n,), generator=gen_data)
+    rows = torch.arange(0, n, 2)
+    full, _ = sample_tokens(hidden, weight, bias, logits, rows, tree, DropMatchConfig(k=5, p=p, shortlist=0),
+                            0.0, 1.0, 0, torch.Generator().manual_seed(4))
+    stats = ShortlistStats()
+    short, _ = sample_tokens(hidden, weight, bias, logits, rows, tree, DropMatchConfig(k=5, p=p, shortlist=16),
+                             0.0, 1.0, 0, torch.Generator().manual_seed(4), stats=stats)
+    assert torch.equal(full, short)
+    assert stats.certified + stats.fallback == 5 * len(rows)
+    if p == 0.002:
+        assert stats.certified > stats.fallback  # small p: the shortlist almost always suffices
+
+
 def test_masks_are_inverted_dropout_and_protect_dimensions():
     hidden = torch.randn(6, 32)
     hidden[:, 7] = 100.0
@@ -222,3 +245,29 @@ def test_sampling_preserves_the_target_distribution():
     stat, dof = _chi_square(counts, joint)
     assert accepted_drafts > runs * 0.2  # the draft path is really exercised
     assert stat < dof + 6 * (2 * dof) ** 0.5, (stat, dof)
+
+
+def test_auto_p_reaches_the_requested_disagreement_rate_and_is_deterministic():
+    from eagle_dropmatch.dropmatch import calibrate_dropout_p, disagreement_rate
+    gen_data = torch.Generator().manual_seed(5)
+    vocab, width = 500, 48
+    hidden = torch.randn(64, width, generator=gen_data)
+    weight = torch.randn(vocab, width, generator=gen_data)
+    wmax = float(weight.norm(dim=-1).max())
+    for rate in (0.05, 0.2, 0.5):
+        p1 = calibrate_dropout_p(hidden, weight, None, 5, rate, 0, torch.Generator().manual_seed(1), wmax)
+        p2 = calibrate_dropout_p(hidden, weight, None, 5, rate, 0, torch.Generator().manual_seed(1), wmax)
+        assert p1 == p2 and 1e-4 < p1 < 0.5
+        # measured on fresh masks, the disagreement is near the requested rate
+        uniforms = torch.rand((5,) + hidden.shape, generator=torch.Generator().manual_seed(9))
+        measured = disagreement_rate(hidden, weight, None, hidden @ weight.T, uniforms, p1, 0, wmax)
+        assert abs(measured - rate) < 0.12, (rate, p1, measured)
+
+
+def test_auto_protect_finds_the_outlier_dimensions():
+    from eagle_dropmatch.dropmatch import choose_protect
+    hidden = torch.randn(30, 64)
+    assert choose_protect(hidden) == 0
+    hidden[:, 17] = 12.0
+    hidden[:, 40] = -9.0
+    assert choose_protect(hidden) == 2

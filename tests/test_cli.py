@@ -85,6 +85,8 @@ def _write(tmp_path, name, text):
 BAD_NUMBERS = [
     (["--dropmatch-k", "-1"], "dropmatch-k must be >= 0"),
     (["--dropout-p", "1.0"], "dropout-p must be in [0, 1)"),
+    (["--dropout-p", "auto:2"], "auto rate must be in (0, 1)"),
+    (["--dropmatch-protect", "x"], "dropmatch-protect must be an integer"),
     (["--dropout-p", "-0.1"], "dropout-p must be in [0, 1)"),
     (["--total-token", "0"], "total_token must be >= 1"),
     (["--depth", "0"], "depth must be >= 1"),

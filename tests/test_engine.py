@@ -143,3 +143,16 @@ def test_kv_compaction_matches_sequential_cache(target):
     for mine, ref in zip(cache.layers, sequential.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_dropout_p_and_protect_are_chosen_per_request(target):
+    engine = SpeculativeDecoder(target, AUX)
+    drafter = Eagle3Drafter(tiny_head(target, seed=3), 16, 4, 4)
+    dm = DropMatchConfig(k=5, auto_rate=0.1, auto_protect=True)
+    prompt = prompts(1, seed=4)[0]
+    a = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=20, dropmatch=dm, seed=2))
+    b = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=20, dropmatch=dm, seed=2))
+    assert a.dropout_p is not None and 0 < a.dropout_p < 1 and a.protect >= 0
+    assert a.calibration_time > 0 and a.prefill_time > 0
+    assert (a.dropout_p, a.token_ids, a.accept_lengths) == (b.dropout_p, b.token_ids, b.accept_lengths)
+    assert all(x >= e for x, e in zip(a.accept_lengths, a.exact_accept_lengths))

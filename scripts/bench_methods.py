@@ -1,0 +1,145 @@
+"""Plain decoding, EAGLE-3 and EAGLE-3 + DropMatch side by side in one process, on the same prompts.
+
+    python scripts/bench_methods.py --bench mt_bench --out-dir runs/bench \\
+        --variant "baseline=--baseline" --variant "eagle3=" \\
+        --variant "dropmatch=--dropmatch-k 5 --dropout-p 0.3"
+
+Every variant is a set of `python -m eagle_dropmatch.gen` flags. The model is loaded once; questions are
+answered variant after variant for each question in turn (so machine noise hits all variants alike), with
+one warm-up per variant. Each variant's answers are written in gen's format (answer file plus meta) under
+--out-dir, so `python -m evaluation.speed|quality|gsm8k` read them. Prints tokens/s, tau, the exact-match
+tau on the same trees, speedup over the first variant, and the ratios of consecutive variants; --json
+prints the same as one object. Not a test: figures depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from eagle_dropmatch import gen  # noqa: E402
+from eagle_dropmatch.loading import load  # noqa: E402
+from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
+
+
+def parse_variants(specs: list[str], common: list[str]) -> dict[str, argparse.Namespace]:
+    variants = {}
+    parser = gen.build_parser()
+    for spec in specs:
+        name, _, flags = spec.partition("=")
+        args = parser.parse_args(common + shlex.split(flags))
+        gen.check_args(args)
+        args.model_id = name
+        variants[name] = args
+    return variants
+
+
+def summarise(records: list[dict]) -> dict:
+    choices = [r["choices"][0] for r in records]
+    tokens = sum(sum(c["new_tokens"]) for c in choices)
+    seconds = sum(sum(c["wall_time"]) for c in choices)
+    rounds = sum(sum(i + 1 for i in c["idxs"]) for c in choices)
+    exact = sum(sum(sum(x) for x in c["exact_accept_lengths"]) for c in choices)
+    agreement = [a for c in choices for a in c.get("agreement") or [] if a is not None]
+    used_p = [p for c in choices for p in c.get("dropout_p") or [] if p is not None]
+    calibration = sum(sum(c.get("calibration_time") or [0]) for c in choices)
+    prefill = sum(sum(c.get("prefill_time") or [0]) for c in choices)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": tokens / rounds,
+            "exact_tau": exact / rounds, "agreement": statistics.mean(agreement) if agreement else None,
+            "median_dropout_p": statistics.median(used_p) if used_p else None,
+            "calibration_vs_prefill": calibration / prefill if prefill else None,
+            "per_question_tok_s": [sum(c["new_tokens"]) / sum(c["wall_time"]) for c in choices]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variant", action="append", required=True, help="NAME=GEN_FLAGS (first = reference)")
+    p.add_argument("--bench", default="mt_bench")
+    p.add_argument("--question-begin", type=int)
+    p.add_argument("--question-end", type=int)
+    p.add_argument("--turns", type=int, default=1, help="turns per question to answer (MT-Bench has 2)")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--common", default="", help="gen flags shared by all variants (e.g. '--dtype float32')")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    common = shlex.split(args.common) + ["--bench", args.bench]
+    variants = parse_variants(args.variant, common)
+    first = next(iter(variants.values()))
+    model = load(first.model_path, first.ea_model_path, dtype=first.dtype, device=first.device, progress=False)
+    qfile = question_file(args.bench)
+    questions = read_questions(qfile, args.question_begin, args.question_end)
+    questions = [{**q, "turns": q["turns"][:args.turns]} for q in questions]
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, vargs in variants.items():
+        vargs.question_file = qfile
+        path = out_dir / f"{name}.jsonl"
+        path.unlink(missing_ok=True)
+        gen.prepare_answer_file(path, {**gen.run_settings(vargs, name), "turns": args.turns})
+        files[name] = path.open("a")
+        warm = argparse.Namespace(**{**vars(vargs), "max_new_tokens": min(vargs.max_new_tokens, 32)})
+        gen.generate_turn(model, gen.prompt_ids(model, [{"role": "user", "content": questions[0]["turns"][0]}],
+                                                warm, "warm-up"), warm)
+    records = {name: [] for name in variants}
+    for i, q in enumerate(questions):
+        for name, vargs in variants.items():
+            record = gen.answer_question(model, q, vargs)
+            records[name].append(record)
+            files[name].write(json.dumps(record) + "\n")
+            files[name].flush()
+        print(f"\r{i + 1}/{len(questions)} questions", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    for f in files.values():
+        f.close()
+    names = list(variants)
+    table = {name: summarise(records[name]) for name in names}
+    reference = table[names[0]]
+    for j, name in enumerate(names):
+        row = table[name]
+        row["speedup"] = row["tokens_per_s"] / reference["tokens_per_s"]
+        row["median_question_speedup"] = statistics.median(
+            a / b for a, b in zip(row["per_question_tok_s"], reference["per_question_tok_s"]))
+        if j > 0:
+            prev = table[names[j - 1]]
+            row["tau_vs_previous"] = row["tau"] / prev["tau"]
+            row["tok_s_vs_previous"] = row["tokens_per_s"] / prev["tokens_per_s"]
+    for row in table.values():
+        del row["per_question_tok_s"]
+    identical = {name: sum(a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+                           for a, b in zip(records[name], records[names[0]])) for name in names[1:]}
+    result = {"bench": args.bench, "questions": len(questions), "turns": args.turns, "threads": args.threads,
+              "variants": {n: " ".join(shlex.quote(x) for x in args.variant[i].partition("=")[2:])
+                           for i, n in enumerate(names)},
+              "table": table, f"identical_to_{names[0]}": identical,
+              "answer_files": {n: str(out_dir / f"{n}.jsonl") for n in names}}
+    (out_dir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.bench}: {len(questions)} questions x {args.turns} turn(s), {first.dtype}, "
+          f"{args.threads} threads")
+    print(f"{'variant':24s}{'tokens':>8s}{'tok/s':>8s}{'speedup':>9s}{'med q':>7s}{'tau':>7s}{'exact tau':>10s}"
+          f"{'tau/prev':>9s}{'tok/s/prev':>11s}{'agree':>7s}{'identical':>10s}")
+    for name in names:
+        row = table[name]
+        agree = "-" if row["agreement"] is None else f"{row['agreement']:.3f}"
+        print(f"{name:24s}{row['tokens']:8d}{row['tokens_per_s']:8.1f}{row['speedup']:8.3f}x"
+              f"{row['median_question_speedup']:7.3f}{row['tau']:7.3f}{row['exact_tau']:10.3f}"
+              f"{row.get('tau_vs_previous', float('nan')):9.3f}{row.get('tok_s_vs_previous', float('nan')):11.3f}"
+              f"{agree:>7s}{identical.get(name, len(questions)):7d}/{len(questions)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Training an EAGLE-3 head: data, loss mask, draft vocabulary, training-time test, resume, CLI errors."""
+
+import json
+
+import pytest
+import torch
+
+from eagle_dropmatch import train
+from eagle_dropmatch.drafters import Eagle3Drafter
+from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
+from eagle_dropmatch.head import load_head
+from eagle_dropmatch.loading import load_target
+
+from conftest import greedy_reference, tiny_target
+
+LLAMA3 = ("{{ '<|im_start|>' }}{% for m in messages %}{{ '<|im_end|>' + m['role'] + '<|im_end|>\n\n' + m['content'] "
+          "+ '<|im_end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_end|>assistant<|im_end|>\n\n' }}"
+          "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    target, tokenizer = load_target(tiny_model_dir / "target", torch.float32, "cpu")
+    return target, tokenizer
+
+
+def examples_for(target, tokenizer, tmp_path, prompts, max_new_tokens=12):
+    train.generate_examples(target, tokenizer, prompts, tmp_path, max_new_tokens, batch_size=4,
+                            shard_size=8, eos=[2], max_prompt_tokens=200)
+    return train.load_examples(tmp_path)
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3-style"])
+def test_loss_mask_is_exactly_the_generated_assistant_tokens(tiny, tmp_path, template):
+    target, tokenizer = tiny
+    if template != "chatml":
+        tokenizer = type(tokenizer).from_pretrained(tokenizer.name_or_path)
+        tokenizer.chat_template = LLAMA3
+    prompts = ["Say hi.", "Name a color please.", "Count to three!"]
+    examples = examples_for(target, tokenizer, tmp_path, prompts)
+    assert len(examples) == 3
+    for ex in examples:
+        ids, mask = ex["input_ids"].tolist(), ex["loss_mask"]
+        start = int(mask.nonzero()[0])
+        assert mask[start:].all() and not mask[:start].any()  # one contiguous span at the end
+        rendered = tokenizer.decode(ids[:start])
+        assert rendered.endswith("assistant\n" if template == "chatml" else "assistant<|im_end|>\n\n")
+        prompt = next(p for p in prompts if p in rendered)
+        assert ids[:start] == train.render(tokenizer, [{"role": "user", "content": prompt}])
+        # the span is what the target generates from that prompt: its greedy continuation, cut at eos
+        expected = greedy_reference(target, torch.tensor(ids[:start]), len(ids) - start)
+        assert ids[start:] == expected[:len(ids) - start]
+        assert ids[-1] == 2 or len(ids) - start == 12
+
+
+def test_draft_vocab_is_the_most_frequent_assistant_tokens():
+    examples = [{"input_ids": torch.tensor([5, 6, 7, 7, 8, 8, 8], dtype=torch.int32),
+                 "loss_mask": torch.tensor([0, 0, 1, 1, 1, 1, 1], dtype=torch.bool)}]
+    ids, coverage = train.build_draft_vocab(examples, 1, 20)
+    assert ids.tolist() == [8] and coverage == pytest.approx(3 / 5)
+    ids, coverage = train.build_draft_vocab(examples, 4, 20)
+    assert ids.tolist() == [0, 1, 7, 8] and coverage == 1.0  # padded with unused ids, sorted
+
+
+def test_evaluation_prompts_are_dropped(tmp_path):
+    banned = train.evaluation_prompts([])
+    assert len(banned) >= 80  # ../shared/data is found from the repository
+    mt_bench_prompt = next(iter(banned))
+    kept, dropped = train.drop_evaluation_prompts([mt_bench_prompt.upper(), "a fresh prompt", "a fresh prompt"],
+                                                  banned)
+    assert kept == ["a fresh prompt"] and dropped == 1
+
+
+def test_prompt_file_formats(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "Q1"},
+                                                                     {"from": "gpt", "value": "A1"}]}) + "\n")
+    (tmp_path / "b.txt").write_text("first prompt\n\nsecond prompt\n")
+    assert train.read_prompt_file(tmp_path / "a.jsonl") == ["Q1"]
+    assert train.read_prompt_file(tmp_path / "b.txt") == ["first prompt", "second prompt"]
+
+
+def _train(target, examples, work, **kwargs):
+    aux = [2, 4, 5]
+    train.compute_features(target, examples, aux, work, shard_size=8)
+    draft_ids, _ = train.build_draft_vocab(examples, 40, target.config.vocab_size)
+    head = train.init_head_for_target(target, draft_ids, aux, seed=0)
+    options = dict(epochs=2, lr=3e-3, steps=3, batch_tokens=256, seed=0, checkpoint_every=1000, shard_size=8,
+                   max_seq=256, autocast=False, log=lambda m: None)
+    options.update(kwargs)
+    return head, train.train_head(head, target, examples, work, **options)
+
+
+def test_training_lowers_the_loss_and_the_head_serves_exactly(tiny, tmp_path):
+    _, tokenizer = tiny
+    target = tiny_target(seed=3, vocab=tokenizer.vocab_size + 4)
+    with torch.no_grad():  # a peaked target, so there is something to learn
+        target.lm_head.weight.mul_(12)
+    prompts = [f"Tell me about item {i}." for i in range(24)]
+    examples = examples_for(target, tokenizer, tmp_path, prompts, max_new_tokens=24)
+    aux = [2, 4, 5]
+    train.compute_features(target, examples, aux, tmp_path, shard_size=8)
+    draft_ids, _ = train.build_draft_vocab(examples, 40, target.config.vocab_size)
+    head = train.init_head_for_target(target, draft_ids, aux, seed=0)
+    draft_weight = target.lm_head.weight[draft_ids].detach()
+    feats = [f for shard in sorted(tmp_path.glob("features_*.pt")) for f in torch.load(shard)]
+
+    def mean_loss():
+        with torch.no_grad():
+            losses = [train.ttt_loss(head, f["features"].float(), e["input_ids"].long(), f["hidden"].float(),
+                                     e["loss_mask"] & head.t2d[e["input_ids"].long()], draft_weight, 3)[0]
+                      for e, f in zip(examples, feats)]
+        return float(torch.stack(losses).mean())
+
+    before = mean_loss()
+    train.train_head(head, target, examples, tmp_path, epochs=4, lr=3e-3, steps=3, batch_tokens=64, seed=0,
+                     checkpoint_every=1000, shard_size=8, max_seq=256, autocast=False, log=lambda m: None)
+    after = mean_loss()
+    assert after < 0.8 * before, (before, after)
+    from eagle_dropmatch.head import save_head
+    save_head(head, tmp_path / "head")
+    loaded = load_head(tmp_path / "head", target.get_input_embeddings(), target_vocab_size=target.config.vocab_size,
+                       target_hidden_size=target.config.hidden_size)
+    engine = SpeculativeDecoder(target, aux)
+    for prompt in prompts[:3]:
+        ids = torch.tensor(train.render(tokenizer, [{"role": "user", "content": prompt}]))
+        out = engine.generate(ids, Eagle3Drafter(loaded, 16, 4, 4), DecodeConfig(max_new_tokens=30))
+        assert out.token_ids == greedy_reference(target, ids, 30)
+        assert out.tau > 1.0  # a trained head gets drafts accepted
+
+
+def test_resume_continues_exactly_from_the_saved_step(tiny, tmp_path):
+    target, tokenizer = tiny
+    examples = examples_for(target, tokenizer, tmp_path, [f"Question {i}?" for i in range(16)])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "split").mkdir()
+    for sub in ("full", "split"):
+        for f in tmp_path.glob("responses_*.pt"):
+            (tmp_path / sub / f.name).write_bytes(f.read_bytes())
+    full_head, full = _train(target, examples, tmp_path / "full")
+    part_head, part = _train(target, examples, tmp_path / "split", max_updates=3)
+    assert part["stopped"] and not full["stopped"]
+    saved = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
+    assert saved["state"]["updates"] == 3 and saved["state"]["index"] > 0
+    resumed_head, resumed = _train(target, examples, tmp_path / "split")
+    assert not resumed["stopped"]
+    for (name, a), b in zip(full_head.state_dict().items(), resumed_head.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_cli_bad_inputs(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("\n")
+    cases = [
+        (["--prompts", str(tmp_path / "empty.txt")], "no usable prompts"),
+        (["--prompts", str(tmp_path / "missing.txt")], "prompt file not found"),
+        (["--draft-vocab-size", "100000"], "draft vocab size 100000"),
+        (["--model-path", str(tmp_path / "nowhere")], "cannot load target"),
+    ]
+    for extra, message in cases:
+        argv = ["--model-path", str(tiny_model_dir / "target"), "--out", str(tmp_path / "h"),
+                "--work-dir", str(tmp_path / f"w{len(message)}"), "--dtype", "float32", "--draft-vocab-size", "50",
+                *extra]
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    assert train.main(["--model-path", str(tiny_model_dir / "target"), "--out", str(other), "--dtype", "float32"]) == 2
+    assert "already holds a different head" in capsys.readouterr().err
