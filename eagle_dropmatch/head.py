@@ -373,12 +373,14 @@ def load_head(path: str | Path, target_embedding: nn.Embedding | None = None, *,
     return head.eval()
 
 
-def save_head(head: Eagle3Head, path: str | Path) -> None:
-    """Write ``config.json`` + ``model.safetensors`` in the official layout."""
+def save_head(head: Eagle3Head, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the official layout (weights cast to ``dtype``)."""
     from safetensors.torch import save_file
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in head.head_state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(head.cfg.to_dict(), indent=2) + "\n")
 

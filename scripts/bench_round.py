@@ -2,16 +2,18 @@
 
     python scripts/bench_round.py [--model-path T --ea-model-path H] [--questions 8] [--dtype bfloat16]
 
-Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5, p=0.3, shortlist and full-vocabulary variants) on
-the same MT-Bench prompts, interleaved question by question, and prints the mean milliseconds per round in
-each section, the DropMatch share of a round, and the share of sample decisions (is the sample's token
-one of the node's children?) where the shortlist differs from the full-vocabulary rule on the same masks.
-Medians over questions. Not a test: the figures depend on the machine and its load.
+Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5, p=0.3 by default; certified-shortlist and
+full-vocabulary variants) on the same MT-Bench prompts, interleaved question by question, and prints the
+mean milliseconds per round in each section, the DropMatch share of a round, how many samples the
+shortlist certified, and (as an audit of that certificate) the share of sample decisions where the
+shortlist's token differs from the full-vocabulary rule's on the same masks. Medians over questions.
+Not a test: the figures depend on the machine and its load.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -22,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle_dropmatch import generate as generate_module  # noqa: E402
-from eagle_dropmatch.dropmatch import DropMatchConfig, sample_tokens  # noqa: E402
+from eagle_dropmatch.dropmatch import sample_tokens  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
 from eagle_dropmatch.loading import load  # noqa: E402
 from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
@@ -39,14 +41,14 @@ class ShortlistAudit:
         self.differ = 0
 
     def __call__(self, hidden, weight, bias, logits, rows, tree_tokens, cfg, temperature, top_p, top_k,
-                 generator, return_logits=False):
+                 generator, return_logits=False, **kwargs):
         state = generator.get_state()
         tokens, extra = sample_tokens(hidden, weight, bias, logits, rows, tree_tokens, cfg, temperature, top_p,
-                                      top_k, generator, return_logits)
+                                      top_k, generator, return_logits, **kwargs)
         if cfg.shortlist > 0 and temperature <= 0:
             replay = torch.Generator(device=generator.device)
             replay.set_state(state)
-            full_cfg = DropMatchConfig(k=cfg.k, p=cfg.p, protect=cfg.protect, shortlist=0, rule=cfg.rule)
+            full_cfg = dataclasses.replace(cfg, shortlist=0)
             full, _ = sample_tokens(hidden, weight, bias, logits, rows, tree_tokens, full_cfg, temperature, top_p,
                                     top_k, replay)
             self._count(tokens[:, rows], full[:, rows], tree_tokens)
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--dropmatch-k", type=int, default=5)
-    p.add_argument("--dropout-p", type=float, default=0.3)
+    p.add_argument("--dropout-p", default="0.3", help="a probability, or auto[:RATE]")
+    p.add_argument("--protect", default="0", help="protected dimensions, or auto")
     p.add_argument("--shortlist", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
@@ -83,9 +86,11 @@ def main(argv=None) -> int:
     variants = {
         "eagle3": dict(dropmatch_k=0),
         f"dropmatch K={args.dropmatch_k} shortlist={args.shortlist}": dict(
-            dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_shortlist=args.shortlist),
+            dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_protect=args.protect,
+            dropmatch_shortlist=args.shortlist),
         f"dropmatch K={args.dropmatch_k} full vocab": dict(
-            dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_shortlist=0),
+            dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_protect=args.protect,
+            dropmatch_shortlist=0),
     }
     shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
                  max_new_tokens=args.max_new_tokens)
@@ -104,7 +109,9 @@ def main(argv=None) -> int:
                 rounds = out.rounds - 1  # the prefill is not a verification round
                 ms = {s: 1000 * timer.totals.get(s, 0.0) / max(rounds, 1) for s in SECTIONS}
                 per_question[name].append({**ms, "round": sum(ms.values()), "tau": out.tau,
-                                           "tok_s": len(out.token_ids) / out.wall_time})
+                                           "tok_s": len(out.token_ids) / out.wall_time,
+                                           "certified": out.shortlist.certified,
+                                           "fallback": out.shortlist.fallback})
     finally:
         generate_module.sample_tokens = sample_tokens
     table = {}
@@ -114,7 +121,10 @@ def main(argv=None) -> int:
     base_round = table["eagle3"]["round"]
     for name in table:
         table[name]["round_vs_eagle3"] = table[name]["round"] / base_round
+    certified = sum(r["certified"] for rows in per_question.values() for r in rows)
+    fallback = sum(r["fallback"] for rows in per_question.values() for r in rows)
     result = {"settings": vars(args), "per_round_ms": table,
+              "shortlist_certified": certified, "shortlist_fallback": fallback,
               "shortlist_decisions": audit.decisions,
               "shortlist_decisions_differing": audit.differ,
               "shortlist_differing_share": audit.differ / max(audit.decisions, 1)}
@@ -131,7 +141,8 @@ def main(argv=None) -> int:
               + f"{100 * row['dropmatch_share']:9.2f}%{row['round_vs_eagle3']:10.3f}{row['tau']:7.2f}"
               + f"{row['tok_s']:8.1f}")
     print(f"shortlist vs full vocabulary: {audit.differ} of {audit.decisions} sample decisions differ "
-          f"({100 * result['shortlist_differing_share']:.3f}%)")
+          f"({100 * result['shortlist_differing_share']:.3f}%); the shortlist certified {certified} samples, "
+          f"{fallback} fell back to the full vocabulary")
     return 0
 
 
