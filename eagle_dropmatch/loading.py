@@ -128,10 +128,10 @@ class EagleModel:
         return torch.as_tensor(ids, dtype=torch.long).reshape(-1)
 
     def generate(self, input_ids, *, max_new_tokens: int = 256, method: str | None = None,
-                 total_token: int = 32, depth: int = 5, top_k: int = 8, draft_length: int = 5,
+                 total_token: int = 8, depth: int = 3, top_k: int = 2, draft_length: int = 5,
                  temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
                  dropmatch_k: int = 0, dropout_p: float | str = 0.3, dropmatch_protect: int | str = 0,
-                 dropmatch_shortlist: int = 64, dropmatch_rule: str = "match", rule_top_k: int = 2,
+                 dropmatch_shortlist: int = 0, dropmatch_rule: str = "match", rule_top_k: int = 2,
                  seed: int = 0, baseline: bool = False, timer: RoundTimer | None = None) -> Generation:
         """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
 
@@ -151,8 +151,8 @@ class EagleModel:
                                draft_length=draft_length)
         return self.decoder.generate(input_ids, drafter, cfg, timer=timer)
 
-    def drafter(self, method: str, cfg: DecodeConfig, *, total_token: int = 32, depth: int = 5,
-                top_k: int = 8, draft_length: int = 5) -> Drafter:
+    def drafter(self, method: str, cfg: DecodeConfig, *, total_token: int = 8, depth: int = 3,
+                top_k: int = 2, draft_length: int = 5) -> Drafter:
         """The drafter of ``method`` ("eagle3" or "sd") for the settings ``cfg`` (checked)."""
         dm = cfg.dropmatch
         sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, sample_top_k=cfg.sample_top_k)
@@ -227,7 +227,7 @@ def parse_protect(value: int | str) -> tuple[int, bool]:
 
 def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                        sample_top_k: int = 0, dropmatch_k: int = 0, dropout_p: float | str = 0.3,
-                       dropmatch_protect: int | str = 0, dropmatch_shortlist: int = 64,
+                       dropmatch_protect: int | str = 0, dropmatch_shortlist: int = 0,
                        dropmatch_rule: str = "match", rule_top_k: int = 2, seed: int = 0) -> DecodeConfig:
     """Validated decoding settings (LoadError with one clear sentence on bad values)."""
     if max_new_tokens < 1:

@@ -38,7 +38,7 @@ def test_answers_resume_and_match_baseline(tiny_model_dir, tmp_path, capsys):
         assert choice["exact_accept_lengths"][t] == choice["accept_lengths"][t]
         assert choice["agreement"][t] is None
     meta = json.loads((tmp_path / "eagle.jsonl.meta.json").read_text())
-    assert meta["method"] == "eagle3" and meta["dropmatch_k"] == 0 and meta["total_token"] == 32
+    assert meta["method"] == "eagle3" and meta["dropmatch_k"] == 0 and meta["total_token"] == 8
     # resume: the whole file now; the first two answers are kept untouched
     code, err = run_gen(capsys, *base_args(d, answers))
     assert code == 0, err
