@@ -56,4 +56,4 @@ def test_quality_and_report_on_generated_files(answers, tmp_path, capsys):
                                "--run", f"DropMatch={answers['dm']}", "--quality", f"EAGLE-3={qpath}"],
                  prog="report")
     table = capsys.readouterr().out
-    assert rc == 0 and "| EAGLE-3 | N=32, D=5, K=8 |" in table and "| baseline | - | 1.00 |" in table
+    assert rc == 0 and "| EAGLE-3 | N=8, D=3, K=2 |" in table and "| baseline | - | 1.00 |" in table
