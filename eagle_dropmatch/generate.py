@@ -181,12 +181,11 @@ class SpeculativeDecoder:
         result.exact_accept_lengths.append(min(exact_len, len(new_tokens)))
         return done
 
-    def _prefill(self, prompt: torch.Tensor, cache, features: bool):
+    def _prefill(self, prompt: torch.Tensor, cache, aux: list[int] | None):
+        """The target reads the prompt: final hidden [S, H], features [S, 3H] or None, last logits [1, V]."""
         positions = torch.arange(prompt.shape[1], device=prompt.device)[None]
-        hidden, feats = target_forward(self.decoder, prompt, positions, cache, None,
-                                       self.aux_layer_ids if features else None)
-        logits = lm_head_logits(self.lm_head, hidden[-1:])  # [1, V]
-        return logits, feats
+        hidden, feats = target_forward(self.decoder, prompt, positions, cache, None, aux)
+        return hidden, feats, lm_head_logits(self.lm_head, hidden[-1:])
 
     # ---------------------------------------------------------------------- plain decoding
 
@@ -198,7 +197,7 @@ class SpeculativeDecoder:
         result = Generation()
         start = time.perf_counter()
         cache = self._new_cache()
-        logits, _ = self._prefill(prompt, cache, features=False)
+        _, _, logits = self._prefill(prompt, cache, None)
         position = prompt.shape[1]
         while True:
             token = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [1]
@@ -257,10 +256,8 @@ class SpeculativeDecoder:
         drafter.reset()
         drafter.start(prompt[0])
         with timer.section("target"):
-            positions = torch.arange(prompt.shape[1], device=self.device)[None]
-            hidden, features = target_forward(self.decoder, prompt, positions, cache, None, aux)  # [S, H]
+            hidden, features, logits = self._prefill(prompt, cache, aux)  # [S, H], [S, 3H], [1, V]
         with timer.section("lm_head"):
-            logits = lm_head_logits(self.lm_head, hidden[-1:])  # [1, V]
             root = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [1]
         result.prefill_time = time.perf_counter() - start
         if dm.active:

@@ -87,6 +87,14 @@ def check_target(target) -> None:
         raise LoadError(f"{name} is an encoder-decoder model; the engine serves decoder-only LMs")
 
 
+def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Ids of a conversation rendered with the tokenizer's chat template, generation prompt appended."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def eos_ids(target, tokenizer) -> list[int]:
     """Every id that ends a turn: the generation config's eos ids and the tokenizer's eos."""
     ids: list[int] = []
@@ -121,11 +129,7 @@ class EagleModel:
         """Token ids [S] of a conversation rendered with the tokenizer's chat template."""
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}] + list(messages)
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        return torch.as_tensor(chat_template_ids(self.tokenizer, messages), dtype=torch.long).reshape(-1)
 
     def generate(self, input_ids, *, max_new_tokens: int = 256, method: str | None = None,
                  total_token: int = 8, depth: int = 3, top_k: int = 2, draft_length: int = 5,

@@ -129,11 +129,9 @@ def drop_evaluation_prompts(prompts: list[str], banned: set[str]) -> tuple[list[
 # ---------------------------------------------------------------------------- generation
 
 def render(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    """The prompt ids a training example starts with (the chat template's generation prompt)."""
+    from .loading import chat_template_ids
+    return chat_template_ids(tokenizer, messages)
 
 
 @torch.no_grad()
