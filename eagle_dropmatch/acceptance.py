@@ -107,7 +107,9 @@ def choose_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
                   generator: torch.Generator | None) -> torch.Tensor:
     """The target's token per row: argmax at T=0, else one sample of the processed distribution."""
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        # max().indices, not argmax(): the same first-maximum tie-break, and on CPU several times
+        # faster in bf16 (argmax over [8, 49152] bf16 took 0.8 ms, a quarter of a round's LM head).
+        return logits.max(dim=-1).indices
     probs = process_logits(logits, temperature, top_p, top_k)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -8,14 +8,12 @@ in the accepted set, so K = 0 or p = 0 is exactly lossless EAGLE-3).
 
 Masks for all K samples of all N nodes are drawn at once ([K, N, H]) from a seeded generator on the LM
 head's device, so computing only the rows that can change a decision (nodes with children) gives the
-same decisions as computing every row.
+same decisions as computing every row. The K x R dropped rows go through the LM head in the same matmul
+as the N undropped rows (``lm_head_with_samples``): the weight [V, H] is read once per round, so
+DropMatch costs the extra rows' arithmetic, not a second pass over the LM head.
 
-At T = 0 the sample logits are first computed over a shortlist per row (the undropped head's top-M tokens
-plus every token in the tree). The shortlist's argmax is certified exact when no token outside it can
-beat it: for such a token v, l_i[v] = l[v] + W_v . (h_i - h) <= l_M + max_v |W_v| * |h_i - h|, where l_M
-is the row's M-th largest undropped logit. Samples whose certificate fails are scored over the whole
-vocabulary, so the tokens always equal the full-vocabulary rule's (up to the rounding of the dtype);
-``shortlist=0`` scores every sample over the whole vocabulary.
+``calibrate_dropout_p`` (``--dropout-p auto``) estimates the disagreement rate over each position's top-M
+undropped tokens, in fp32, so that a bisection over p costs a fraction of a prefill.
 """
 
 from __future__ import annotations
@@ -36,10 +34,6 @@ class DropMatchConfig:
         k: number of dropout samples K (0 = off: lossless EAGLE-3).
         p: dropout probability in [0, 1) (0 = off).
         protect: the ``protect`` largest-|h| dimensions of each hidden state are never dropped.
-        shortlist: at T = 0, score samples over the undropped top-``shortlist`` tokens plus the tree's
-            tokens first, falling back to the full vocabulary where that is not certified exact
-            (0 = always the full vocabulary: the default, as the fallbacks made the shortlist slower on
-            the CPU measured; see README).
         rule: "match" (naive token matching), "js" (Algorithm 1, chains only) or "topk" (the lossy
             baseline: the target's top ``rule_top_k`` tokens; it needs no samples, so K and p are unused).
         rule_top_k: k of the "topk" rule.
@@ -52,7 +46,6 @@ class DropMatchConfig:
     k: int = 0
     p: float = 0.3
     protect: int = 0
-    shortlist: int = 0
     rule: str = "match"
     rule_top_k: int = 2
     auto_rate: float | None = None
@@ -70,8 +63,10 @@ class DropMatchConfig:
 
 
 def dropout_masks(k: int, hidden: torch.Tensor, p: float, protect: int,
-                  generator: torch.Generator | None) -> torch.Tensor:
-    """Inverted-dropout multipliers [K, N, H] (0 or 1/(1-p)), protected dimensions kept at 1/(1-p).
+                  generator: torch.Generator | None, rescale: bool = True) -> torch.Tensor:
+    """Dropout multipliers [K, N, H]: 0 or 1/(1-p) (inverted dropout), or 0 or 1 when not ``rescale``.
+
+    Protected dimensions are never dropped.
 
     Args:
         k: number of samples.
@@ -79,104 +74,85 @@ def dropout_masks(k: int, hidden: torch.Tensor, p: float, protect: int,
         p: dropout probability.
         protect: number of largest-magnitude dimensions per row that are never dropped.
         generator: seeded generator on hidden's device.
+        rescale: multiply kept entries by 1/(1-p) (see ``rescale_needed``).
     """
     n, h = hidden.shape
     keep = torch.rand((k, n, h), generator=generator, device=hidden.device) >= p
     if protect > 0:
         top = hidden.abs().topk(min(protect, h), dim=-1).indices  # [N, protect]
         keep = keep.scatter(-1, top[None].expand(k, -1, -1), True)
-    return keep.to(hidden.dtype) / (1.0 - p)
+    keep = keep.to(hidden.dtype)
+    return keep / (1.0 - p) if rescale else keep
 
 
-@dataclass
-class ShortlistStats:
-    """How many samples the shortlist certified, and how many needed the full vocabulary."""
+def rescale_needed(cfg: DropMatchConfig, temperature: float, bias: torch.Tensor | None) -> bool:
+    """Whether the samples need the inverted-dropout factor 1/(1-p).
 
-    certified: int = 0
-    fallback: int = 0
+    The match rule at T = 0 only uses each sample's argmax, which a positive factor cannot change when the
+    LM head has no bias. Leaving it out there keeps a sample that dropped nothing bit-identical to the
+    undropped row, so low-precision rounding (bf16 logits are 0.125 apart near 20) cannot flip ties.
+    Sampling (T > 0), the js rule (distributions) and a biased head need it.
+    """
+    return temperature > 0 or cfg.rule != "match" or bias is not None
 
 
-def sample_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  logits: torch.Tensor, rows: torch.Tensor, tree_tokens: torch.Tensor,
-                  cfg: DropMatchConfig, temperature: float, top_p: float, top_k: int,
-                  generator: torch.Generator | None, return_logits: bool = False,
-                  weight_norm_max: float | None = None,
-                  stats: ShortlistStats | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tokens of the K dropout samples at the given rows.
+def dropout_inputs(hidden: torch.Tensor, rows: torch.Tensor, cfg: DropMatchConfig,
+                   generator: torch.Generator | None, rescale: bool = True) -> torch.Tensor:
+    """The K dropped LM-head inputs [K, R, H] of the given rows.
+
+    Masks are drawn for all N rows (so that the rows computed never change which mask a row gets).
 
     Args:
         hidden: [N, H] final hidden states of the tree nodes (LM-head input).
-        weight: [V, H] the target's LM-head weight; bias: [V] or None.
-        logits: [N, V] undropped logits (for the shortlist).
         rows: [R] node indices whose samples can change a decision.
-        tree_tokens: [N] the tree's tokens (always in the shortlist).
-        cfg: DropMatch settings.
-        temperature, top_p, top_k: the sampling settings of the run.
-        generator: seeded generator on the LM head's device.
-        return_logits: also return full-vocabulary sample logits [K, N, V] (for the js rule).
-        weight_norm_max: max_v |W_v| (computed here when None; pass it to avoid a pass over W).
-        stats: optional counters of certified and fallback samples.
+        cfg: DropMatch settings (k, p, protect).
+        generator: seeded generator on hidden's device.
+        rescale: apply the inverted-dropout factor (see ``rescale_needed``).
+    """
+    masks = dropout_masks(cfg.k, hidden, cfg.p, cfg.protect, generator, rescale)  # [K, N, H]
+    return hidden[rows][None] * masks[:, rows]
+
+
+def lm_head_with_samples(lm_head: torch.nn.Module, hidden: torch.Tensor,
+                         dropped: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Undropped and dropout-sample logits from ONE LM-head matmul, so the weight is read once.
+
+    Args:
+        lm_head: the target's output embedding.
+        hidden: [N, H] undropped inputs.
+        dropped: [K, R, H] dropped inputs, or None (DropMatch off).
 
     Returns:
-        ([K, N] sample tokens with -1 outside ``rows``, [K, N, V] sample logits or None).
+        ([N, V] undropped logits, [K, R, V] sample logits or None).
     """
-    k = cfg.k
-    masks = dropout_masks(k, hidden, cfg.p, cfg.protect, generator)  # [K, N, H], all rows
-    dropped = hidden[rows][None] * masks[:, rows]  # [K, R, H]
-    tokens = torch.full((k, hidden.shape[0]), -1, dtype=torch.long, device=hidden.device)
-    if cfg.shortlist > 0 and temperature <= 0 and not return_logits:
-        if weight_norm_max is None:
-            weight_norm_max = float(weight.float().norm(dim=-1).max())
-        tokens[:, rows] = certified_shortlist_argmax(dropped, hidden[rows], weight, bias, logits[rows],
-                                                     tree_tokens, cfg.shortlist, weight_norm_max, stats)
-        return tokens, None
-    sample_logits = torch.nn.functional.linear(dropped, weight, bias)  # [K, R, V]
+    if dropped is None:
+        return lm_head(hidden), None
+    n, (k, r, h) = hidden.shape[0], dropped.shape
+    logits = lm_head(torch.cat([hidden, dropped.reshape(k * r, h)]))  # [N + K*R, V]
+    return logits[:n], logits[n:].reshape(k, r, -1)
+
+
+def tokens_of_samples(sample_logits: torch.Tensor, rows: torch.Tensor, n: int, temperature: float,
+                      top_p: float, top_k: int, generator: torch.Generator | None,
+                      return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each sample's token (argmax at T = 0, a draw from its own processed distribution at T > 0).
+
+    Args:
+        sample_logits: [K, R, V] logits of the samples at ``rows``.
+        rows: [R] their node indices among the tree's ``n`` nodes.
+        return_logits: also return the sample logits scattered to [K, N, V] (zeros elsewhere; js needs them).
+
+    Returns:
+        ([K, N] tokens, -1 outside ``rows``; [K, N, V] logits or None).
+    """
+    k = sample_logits.shape[0]
+    tokens = torch.full((k, n), -1, dtype=torch.long, device=sample_logits.device)
     tokens[:, rows] = choose_tokens(sample_logits, temperature, top_p, top_k, generator)
     full_logits = None
     if return_logits:
-        full_logits = torch.zeros((k,) + logits.shape, dtype=sample_logits.dtype, device=logits.device)
+        full_logits = sample_logits.new_zeros((k, n, sample_logits.shape[-1]))
         full_logits[:, rows] = sample_logits
     return tokens, full_logits
-
-
-def certified_shortlist_argmax(dropped: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                               bias: torch.Tensor | None, logits: torch.Tensor, tree_tokens: torch.Tensor,
-                               m: int, weight_norm_max: float,
-                               stats: ShortlistStats | None = None) -> torch.Tensor:
-    """argmax of W h_i + b per sample, over a certified shortlist, else over the whole vocabulary.
-
-    Args:
-        dropped: [K, R, H] dropped hidden states h_i.
-        hidden: [R, H] undropped hidden states h.
-        weight: [V, H]; bias: [V] or None.
-        logits: [R, V] undropped logits W h + b.
-        tree_tokens: [N] tokens always in the shortlist.
-        m: shortlist size from the undropped top tokens.
-        weight_norm_max: max_v |W_v|.
-
-    Returns:
-        [K, R] token ids.
-    """
-    k, r, _ = dropped.shape
-    top_values, top = logits.topk(min(m, logits.shape[-1]), dim=-1)  # [R, M]
-    shortlist = torch.cat([top, tree_tokens[None].expand(r, -1)], dim=1)  # [R, M+N]
-    short_logits = torch.einsum("krh,rmh->krm", dropped, weight[shortlist])  # [K, R, M+N]
-    if bias is not None:
-        short_logits = short_logits + bias[shortlist][None]
-    best, picked = short_logits.max(dim=-1)  # [K, R]
-    tokens = shortlist[None].expand(k, -1, -1).gather(-1, picked[..., None])[..., 0]
-    # Certificate: no token outside the shortlist can reach the shortlist's best (with a rounding margin).
-    shift = (dropped - hidden[None]).float().norm(dim=-1)  # [K, R]
-    margin = 8 * torch.finfo(dropped.dtype).eps * (1 + best.float().abs())
-    uncertain = top_values[:, -1].float()[None] + weight_norm_max * shift + margin >= best.float()
-    if stats is not None:
-        fallback = int(uncertain.sum())
-        stats.fallback += fallback
-        stats.certified += k * r - fallback
-    if bool(uncertain.any()):
-        ki, ri = uncertain.nonzero(as_tuple=True)
-        tokens[ki, ri] = torch.nn.functional.linear(dropped[ki, ri], weight, bias).argmax(dim=-1)
-    return tokens
 
 
 OUTLIER_RATIO = 6.0
@@ -189,13 +165,14 @@ def choose_protect(hidden: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def disagreement_rate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      logits: torch.Tensor, uniforms: torch.Tensor, p: float, protect: int,
-                      weight_norm_max: float) -> float:
-    """Share of positions where some of the K samples' tokens differs from the undropped argmax.
+def disagreement_rate(hidden: torch.Tensor, shortlist_weight: torch.Tensor, shortlist_bias: torch.Tensor | None,
+                      uniforms: torch.Tensor, p: float, protect: int) -> float:
+    """Share of positions where some of the K samples' argmax differs from the undropped one (fp32).
 
     Args:
-        hidden: [P, H] final hidden states; logits: [P, V] their undropped logits.
+        hidden: [P, H] final hidden states.
+        shortlist_weight: [P, M, H] the LM-head rows of each position's M best undropped tokens;
+            shortlist_bias: [P, M] or None. The argmax is taken over this shortlist.
         uniforms: [K, P, H] fixed uniform draws (common random numbers: a dimension dropped at p stays
             dropped at every larger p, so the rate grows with p and bisection is stable).
         p, protect: dropout probability and protected dimensions.
@@ -205,19 +182,26 @@ def disagreement_rate(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         top = hidden.abs().topk(min(protect, hidden.shape[-1]), dim=-1).indices
         keep = keep.scatter(-1, top[None].expand(keep.shape[0], -1, -1), True)
     dropped = hidden[None] * keep.to(hidden.dtype) / (1.0 - p)  # [K, P, H]
-    empty = torch.empty(0, dtype=torch.long, device=hidden.device)
-    tokens = certified_shortlist_argmax(dropped, hidden, weight, bias, logits, empty, 64, weight_norm_max)
-    return float((tokens != logits.argmax(dim=-1)[None]).any(dim=0).float().mean())
+    sample = torch.einsum("kph,pmh->kpm", dropped, shortlist_weight)  # [K, P, M]
+    base = torch.einsum("ph,pmh->pm", hidden, shortlist_weight)  # [P, M]
+    if shortlist_bias is not None:
+        sample, base = sample + shortlist_bias[None], base + shortlist_bias
+    return float((sample.argmax(-1) != base.argmax(-1)[None]).any(dim=0).float().mean())
 
 
+@torch.no_grad()
 def calibrate_dropout_p(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
-                        rate: float, protect: int, generator: torch.Generator | None,
-                        weight_norm_max: float, positions: int = 64, iterations: int = 10,
-                        low: float = 1e-4, high: float = 0.5) -> float:
+                        rate: float, protect: int, generator: torch.Generator | None, positions: int = 64,
+                        shortlist: int = 64, iterations: int = 10, low: float = 1e-4,
+                        high: float = 0.5) -> float:
     """The dropout probability at which the K samples disagree at ``rate`` of the prompt's positions.
 
     Bisection on log p over [low, high] using the prompt's own final hidden states (at most ``positions``
-    of them, evenly spaced): training-free and data-free, deterministic for a seed.
+    of them, evenly spaced): training-free and data-free, deterministic for a seed. The rate is measured
+    in fp32 over each position's ``shortlist`` best undropped tokens: one LM-head pass picks them, and each
+    step then costs a [K, P, H] x [P, H, M] product instead of K x P full-vocabulary rows. Ignoring tokens
+    outside the shortlist, and bf16 rounding, makes the estimate slightly low (SmolLM2, M = 64: 0.4% of
+    samples at p = 0.01 pick a token outside it; see README).
 
     Args:
         hidden: [S, H] final hidden states of the prompt (from the prefill).
@@ -226,24 +210,21 @@ def calibrate_dropout_p(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
         rate: target disagreement share in (0, 1).
         protect: protected dimensions.
         generator: seeded generator on hidden's device.
-        weight_norm_max: max_v |W_v|.
     """
     pick = torch.linspace(0, hidden.shape[0] - 1, min(positions, hidden.shape[0]), device=hidden.device)
-    hidden = hidden[pick.round().long()]
+    hidden = hidden[pick.round().long()]  # [P, H]
     logits = torch.nn.functional.linear(hidden, weight, bias)  # [P, V]
+    top = logits.topk(min(shortlist, logits.shape[-1]), dim=-1).indices  # [P, M]
+    top_weight = weight[top].float()  # [P, M, H]
+    top_bias = None if bias is None else bias[top].float()
+    hidden = hidden.float()
     uniforms = torch.rand((k,) + hidden.shape, generator=generator, device=hidden.device)
 
-    def measured(p: float) -> float:
-        return disagreement_rate(hidden, weight, bias, logits, uniforms, p, protect, weight_norm_max)
-
-    if measured(high) <= rate:
-        return high
-    if measured(low) >= rate:
-        return low
+    # No evaluation at the ends; a rate never reached (always exceeded) converges to high (low).
     lo, hi = math.log(low), math.log(high)
     for _ in range(iterations):
         mid = 0.5 * (lo + hi)
-        if measured(math.exp(mid)) < rate:
+        if disagreement_rate(hidden, top_weight, top_bias, uniforms, math.exp(mid), protect) < rate:
             lo = mid
         else:
             hi = mid

@@ -23,7 +23,7 @@ from pathlib import Path
 #: settings that must match for a resumed run to continue an answer file.
 RUN_KEYS = ("method", "model_path", "ea_model_path", "draft_model_path", "dtype", "total_token", "depth",
             "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
-            "dropmatch_protect", "dropmatch_shortlist", "dropmatch_rule", "seed", "max_new_tokens",
+            "dropmatch_protect", "dropmatch_rule", "seed", "max_new_tokens",
             "conv_template", "system_prompt", "rule_top_k")
 
 
@@ -59,10 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
            "the samples disagree at RATE of positions (default 0.02)")
     a("--dropmatch-protect", default="0",
       help="largest-|h| dimensions never dropped, or 'auto' (the prompt's outlier dimensions)")
-    a("--dropmatch-shortlist", type=int, default=0,
-      help="at T=0 score samples first over a certified shortlist (the top-M undropped tokens plus the tree), "
-           "falling back to the full vocabulary where it is not certified exact (0 = always the full "
-           "vocabulary: the default, faster on the CPU measured)")
     a("--dropmatch-rule", default="match", choices=["match", "js", "topk"],
       help="lossy acceptance: match (any sample's token), js (Algorithm 1; chains: --draft-model-path or "
       "--top-k 1), topk (the target's top --rule-top-k tokens; needs no samples, on even with K 0)")
@@ -94,8 +90,7 @@ def check_args(args: argparse.Namespace) -> None:
         make_decode_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
                            dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
-                           dropmatch_shortlist=args.dropmatch_shortlist, dropmatch_rule=args.dropmatch_rule,
-                           rule_top_k=args.rule_top_k)
+                           dropmatch_rule=args.dropmatch_rule, rule_top_k=args.rule_top_k)
     except LoadError as exc:
         raise UsageError(str(exc)) from None
     if args.warmup < 0:
@@ -147,7 +142,7 @@ def run_settings(args: argparse.Namespace, model_id: str) -> dict:
         "depth": length if sd else args.depth, "top_k": 1 if sd else args.top_k,
         "draft_length": length if sd else None, "temperature": args.temperature, "top_p": args.top_p,
         "sample_top_k": args.sample_top_k, "dropmatch_k": args.dropmatch_k, "dropout_p": _number_or_text(args.dropout_p),
-        "dropmatch_protect": _number_or_text(args.dropmatch_protect), "dropmatch_shortlist": args.dropmatch_shortlist,
+        "dropmatch_protect": _number_or_text(args.dropmatch_protect),
         "dropmatch_rule": args.dropmatch_rule,
         "rule_top_k": args.rule_top_k if args.dropmatch_rule == "topk" else None,
         "seed": args.seed, "max_new_tokens": args.max_new_tokens,
@@ -216,8 +211,7 @@ def generate_turn(model, ids, args: argparse.Namespace):
         ids, max_new_tokens=args.max_new_tokens, method=method_of(args), total_token=args.total_token,
         depth=args.depth, top_k=args.top_k, draft_length=args.draft_length, temperature=args.temperature,
         top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
-        dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
-        dropmatch_shortlist=args.dropmatch_shortlist, dropmatch_rule=args.dropmatch_rule,
+        dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect, dropmatch_rule=args.dropmatch_rule,
         rule_top_k=args.rule_top_k, seed=args.seed)
 
 

@@ -19,8 +19,8 @@ from transformers import DynamicCache
 
 from .acceptance import (DraftView, TargetView, choose_tokens, exact, longest_accepted_path, make_rule,
                          rejection_tokens)
-from .dropmatch import (DropMatchConfig, ShortlistStats, agreement_counts, calibrate_dropout_p, choose_protect,
-                        sample_tokens)
+from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, choose_protect, dropout_inputs,
+                        lm_head_with_samples, rescale_needed, tokens_of_samples)
 from .drafters import Drafter
 from .verify import compact_cache, decoder_of, lm_head_logits, target_forward
 
@@ -57,7 +57,6 @@ class Generation:
         wall_time: seconds from the prefill's start to the last commit.
         stop_reason: "eos", "length" or "context".
         verified_positions, agreeing_positions, accepted_set_total: DropMatch agreement counts.
-        shortlist: DropMatch samples certified by the shortlist / scored over the full vocabulary.
         dropout_p, protect: the DropMatch settings used (chosen per request with ``auto``), else None.
         calibration_time: seconds spent choosing them (next to the prefill's), 0 when fixed.
         prefill_time: seconds of the prompt's target forward.
@@ -71,7 +70,6 @@ class Generation:
     verified_positions: int = 0
     agreeing_positions: int = 0
     accepted_set_total: int = 0
-    shortlist: ShortlistStats = field(default_factory=ShortlistStats)
     dropout_p: float | None = None
     protect: int | None = None
     calibration_time: float = 0.0
@@ -140,14 +138,6 @@ class SpeculativeDecoder:
         self.lm_head = target.get_output_embeddings()
         self.device = self.lm_head.weight.device
         self.max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 30
-        self._weight_norm_max: float | None = None
-
-    @property
-    def weight_norm_max(self) -> float:
-        """max_v |W_v| of the LM head (computed once; DropMatch's shortlist certificate needs it)."""
-        if self._weight_norm_max is None:
-            self._weight_norm_max = float(self.lm_head.weight.float().norm(dim=-1).max())
-        return self._weight_norm_max
 
     # ------------------------------------------------------------------------------- helpers
 
@@ -223,7 +213,7 @@ class SpeculativeDecoder:
         p = dm.p
         if dm.auto_rate is not None:
             p = calibrate_dropout_p(prompt_hidden, self.lm_head.weight, self.lm_head.bias, dm.k, dm.auto_rate,
-                                    protect, _new_generator(self.device, seed + 1), self.weight_norm_max)
+                                    protect, _new_generator(self.device, seed + 1))
         result.calibration_time = time.perf_counter() - start
         return dataclasses.replace(dm, p=p, protect=protect, auto_rate=None, auto_protect=False)
 
@@ -244,6 +234,7 @@ class SpeculativeDecoder:
         timer = timer or _NoTimer()
         dm = cfg.dropmatch
         rule = make_rule(dm.rule, dm.rule_top_k) if dm.lossy else exact
+        rescale = rescale_needed(dm, cfg.temperature, self.lm_head.bias)
         aux = self.aux_layer_ids if drafter.needs_features else None
         prompt = self._check_prompt(input_ids)
         gen = _new_generator(self.device, cfg.seed)
@@ -279,8 +270,14 @@ class SpeculativeDecoder:
                 hidden, features = target_forward(
                     self.decoder, tree.tokens[None], (prefix + tree.depths)[None], cache,
                     tree.attention_mask(prefix), aux)  # [N, H], [N, 3H]
-            with timer.section("lm_head"):
-                logits = lm_head_logits(self.lm_head, hidden)  # [N, V]
+            # 2b. DropMatch: K dropped copies of the LM-head input at the nodes with children.
+            rows = dropped = None
+            if dm.active:
+                with timer.section("dropmatch"):
+                    rows = tree.has_children.nonzero().flatten()  # [R] nodes whose set can matter
+                    dropped = dropout_inputs(hidden, rows, dm, gen, rescale)  # [K, R, H]
+            with timer.section("lm_head"):  # one matmul for the undropped and the dropped rows
+                logits, sample_logits = lm_head_with_samples(self.lm_head, hidden, dropped)  # [N, V], [K, R, V]
                 if cfg.temperature > 0 and tree.sampled:  # drafts drawn from q: rejection sampling
                     tokens = rejection_tokens(logits, tree.tokens, tree.parents, tree.draft_probs,
                                               cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
@@ -290,11 +287,9 @@ class SpeculativeDecoder:
                                      sample_top_k=cfg.sample_top_k)
             if dm.active:
                 with timer.section("dropmatch"):
-                    rows = tree.has_children.nonzero().flatten()  # [R] nodes whose set can matter
-                    target_view.sample_tokens, target_view.sample_logits = sample_tokens(
-                        hidden, self.lm_head.weight, self.lm_head.bias, logits, rows, tree.tokens, dm,
-                        cfg.temperature, cfg.top_p, cfg.sample_top_k, gen, return_logits=dm.rule == "js",
-                        weight_norm_max=self.weight_norm_max, stats=result.shortlist)
+                    target_view.sample_tokens, target_view.sample_logits = tokens_of_samples(
+                        sample_logits, rows, len(tree), cfg.temperature, cfg.top_p, cfg.sample_top_k, gen,
+                        return_logits=dm.rule == "js")  # [K, N], [K, N, V] or None
             # 3. Accept the longest path whose every token is in its parent's accepted set.
             with timer.section("bookkeeping"):
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))

@@ -354,7 +354,7 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
     state = {"epoch": 0, "index": 0, "updates": 0}
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(saved["head"], strict=False)
+        head.load_state_dict(saved["head"])  # strict: a checkpoint of another head is an error
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         log(f"resumed from {ckpt} at epoch {state['epoch']}, example {state['index']}")

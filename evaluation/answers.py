@@ -21,7 +21,7 @@ from .common import EvalError, warn
 SETTING_KEYS = (
     "method", "model_path", "ea_model_path", "draft_model_path", "bench", "dtype", "device", "total_token",
     "depth", "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
-    "dropmatch_protect", "dropmatch_shortlist", "dropmatch_rule", "rule_top_k", "max_new_tokens", "conv_template",
+    "dropmatch_protect", "dropmatch_rule", "rule_top_k", "max_new_tokens", "conv_template",
     "system_prompt",
 )
 

@@ -2,64 +2,105 @@
 
     python scripts/bench_round.py [--model-path T --ea-model-path H] [--questions 8] [--dtype bfloat16]
 
-Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5, p=0.3 by default; certified-shortlist and
-full-vocabulary variants) on the same MT-Bench prompts, interleaved question by question, and prints the
-mean milliseconds per round in each section, the DropMatch share of a round, how many samples the
-shortlist certified, and (as an audit of that certificate) the share of sample decisions where the
-shortlist's token differs from the full-vocabulary rule's on the same masks. Medians over questions.
-Not a test: the figures depend on the machine and its load.
+Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5, p=0.3 by default) on the same MT-Bench prompts,
+interleaved question by question, and prints the mean milliseconds per round in each section (medians over
+questions). DropMatch's K x R dropped rows share the undropped rows' LM-head matmul, so part of its cost is
+inside "lm_head"; its cost per round is therefore measured side by side as
+
+    (lm_head + dropmatch + bookkeeping) with DropMatch - (lm_head + bookkeeping) of lossless EAGLE-3
+
+and its share is that cost over the DropMatch round. It also times the LM head alone with extra rows stacked
+into the same matmul or sent through a second one, and checks that stacking leaves the first rows bit for bit.
+Not a test: the figures depend on the machine's load.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_dropmatch import generate as generate_module  # noqa: E402
-from eagle_dropmatch.dropmatch import sample_tokens  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
 from eagle_dropmatch.loading import load  # noqa: E402
 from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
 
 SECTIONS = ("draft", "target", "lm_head", "dropmatch", "bookkeeping")
+DROPMATCH_SECTIONS = ("lm_head", "dropmatch", "bookkeeping")  # where DropMatch adds work
 
 
-class ShortlistAudit:
-    """Wraps the engine's ``sample_tokens``: also scores the same masks over the full vocabulary and counts
-    the sample decisions where the two differ."""
+def median_ms(fn, device: torch.device, repeats: int = 40) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
-    def __init__(self):
-        self.decisions = 0
-        self.differ = 0
 
-    def __call__(self, hidden, weight, bias, logits, rows, tree_tokens, cfg, temperature, top_p, top_k,
-                 generator, return_logits=False, **kwargs):
-        state = generator.get_state()
-        tokens, extra = sample_tokens(hidden, weight, bias, logits, rows, tree_tokens, cfg, temperature, top_p,
-                                      top_k, generator, return_logits, **kwargs)
-        if cfg.shortlist > 0 and temperature <= 0:
-            replay = torch.Generator(device=generator.device)
-            replay.set_state(state)
-            full_cfg = dataclasses.replace(cfg, shortlist=0)
-            full, _ = sample_tokens(hidden, weight, bias, logits, rows, tree_tokens, full_cfg, temperature, top_p,
-                                    top_k, replay)
-            self._count(tokens[:, rows], full[:, rows], tree_tokens)
-        return tokens, extra
+@torch.no_grad()
+def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
+    """The LM head alone: ``nodes`` rows, plus extra rows in the same matmul or in a second one; and whether
+    the stacked product returns the first rows bit for bit."""
+    weight = lm_head.weight
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(nodes + max(extra_rows), weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
+    dev = weight.device
+    costs = {"rows": nodes, "alone_ms": median_ms(lambda: lm_head(x[:nodes]), dev)}
+    costs["stacked_ms"] = {e: median_ms(lambda: lm_head(x[:nodes + e]), dev) for e in extra_rows}
+    costs["second_matmul_ms"] = {e: median_ms(lambda: (lm_head(x[:nodes]), lm_head(x[nodes:nodes + e])), dev)
+                                 for e in extra_rows}
+    costs["stacked_rows_identical"] = all(torch.equal(lm_head(x[:nodes]), lm_head(x[:nodes + e])[:nodes])
+                                          for e in extra_rows)
+    return costs
 
-    def _count(self, short, full, tree_tokens):
-        # a decision: is the sample token any token of the tree (a superset of the node's children)?
-        in_short = torch.isin(short, tree_tokens)
-        in_full = torch.isin(full, tree_tokens)
-        self.decisions += short.numel()
-        self.differ += int((in_short != in_full).sum() + ((short != full) & in_short & in_full).sum())
+
+def round_record(out, timer: RoundTimer) -> dict:
+    """Milliseconds per verification round in each section of one generation, its round, tau and tokens/s."""
+    rounds = out.rounds - 1  # the prefill is not a verification round
+    ms = {s: 1000 * timer.totals.get(s, 0.0) / max(rounds, 1) for s in SECTIONS}
+    return {**ms, "round": sum(ms.values()), "tau": out.tau, "tok_s": len(out.token_ids) / out.wall_time}
+
+
+def round_table(per_prompt: dict[str, list[dict]]) -> dict:
+    """Medians over prompts per variant, and DropMatch's cost against the variant "eagle3" prompt by prompt."""
+    base = per_prompt["eagle3"]
+    table = {}
+    for name, rows in per_prompt.items():
+        table[name] = {k: statistics.median(r[k] for r in rows) for k in (*SECTIONS, "round", "tau", "tok_s")}
+        costs = [sum(r[s] for s in DROPMATCH_SECTIONS) - sum(b[s] for s in DROPMATCH_SECTIONS)
+                 for r, b in zip(rows, base)]
+        table[name]["dropmatch_cost_ms"] = statistics.median(costs)
+        table[name]["dropmatch_share"] = statistics.median(c / r["round"] for c, r in zip(costs, rows))
+        table[name]["round_vs_eagle3"] = statistics.median(r["round"] / b["round"] for r, b in zip(rows, base))
+    return table
+
+
+def print_report(table: dict, costs: dict, title: str) -> None:
+    print(title)
+    print(f"{'variant':28s}" + "".join(f"{s:>12s}" for s in (*SECTIONS, "round"))
+          + f"{'DM cost':>10s}{'DM share':>10s}{'vs eagle3':>10s}{'tau':>7s}{'tok/s':>8s}")
+    for name, row in table.items():
+        print(f"{name:28s}" + "".join(f"{row[s]:10.2f}ms" for s in (*SECTIONS, "round"))
+              + f"{row['dropmatch_cost_ms']:8.2f}ms{100 * row['dropmatch_share']:9.2f}%"
+              + f"{row['round_vs_eagle3']:10.3f}{row['tau']:7.2f}{row['tok_s']:8.1f}")
+    print(f"LM head alone, {costs['rows']} rows: {costs['alone_ms']:.2f} ms; with extra rows stacked in the same "
+          "matmul / in a second matmul:")
+    for e in costs["stacked_ms"]:
+        print(f"  +{e:3d} rows: {costs['stacked_ms'][e]:.2f} ms / {costs['second_matmul_ms'][e]:.2f} ms")
+    print(f"stacked product returns the first {costs['rows']} rows bit for bit: {costs['stacked_rows_identical']}")
 
 
 def main(argv=None) -> int:
@@ -75,7 +116,6 @@ def main(argv=None) -> int:
     p.add_argument("--dropmatch-k", type=int, default=5)
     p.add_argument("--dropout-p", default="0.3", help="a probability, or auto[:RATE]")
     p.add_argument("--protect", default="0", help="protected dimensions, or auto")
-    p.add_argument("--shortlist", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
@@ -85,12 +125,8 @@ def main(argv=None) -> int:
     questions = read_questions(question_file(args.bench))[:args.questions]
     variants = {
         "eagle3": dict(dropmatch_k=0),
-        f"dropmatch K={args.dropmatch_k} shortlist={args.shortlist}": dict(
-            dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_protect=args.protect,
-            dropmatch_shortlist=args.shortlist),
-        f"dropmatch K={args.dropmatch_k} full vocab": dict(
-            dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_protect=args.protect,
-            dropmatch_shortlist=0),
+        f"dropmatch K={args.dropmatch_k} p={args.dropout_p}": dict(
+            dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_protect=args.protect),
     }
     shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
                  max_new_tokens=args.max_new_tokens)
@@ -98,51 +134,20 @@ def main(argv=None) -> int:
     for kwargs in variants.values():  # warm-up
         model.generate(first, **{**shape, **kwargs, "max_new_tokens": 16})
     per_question = {name: [] for name in variants}
-    audit = ShortlistAudit()
-    generate_module.sample_tokens = audit
-    try:
-        for q in questions:
-            ids = model.chat_ids([{"role": "user", "content": q["turns"][0]}])
-            for name, kwargs in variants.items():
-                timer = RoundTimer(model.decoder.device)
-                out = model.generate(ids, **shape, **kwargs, timer=timer)
-                rounds = out.rounds - 1  # the prefill is not a verification round
-                ms = {s: 1000 * timer.totals.get(s, 0.0) / max(rounds, 1) for s in SECTIONS}
-                per_question[name].append({**ms, "round": sum(ms.values()), "tau": out.tau,
-                                           "tok_s": len(out.token_ids) / out.wall_time,
-                                           "certified": out.shortlist.certified,
-                                           "fallback": out.shortlist.fallback})
-    finally:
-        generate_module.sample_tokens = sample_tokens
-    table = {}
-    for name, rows in per_question.items():
-        table[name] = {k: statistics.median(r[k] for r in rows) for k in (*SECTIONS, "round", "tau", "tok_s")}
-        table[name]["dropmatch_share"] = statistics.median(r["dropmatch"] / r["round"] for r in rows)
-    base_round = table["eagle3"]["round"]
-    for name in table:
-        table[name]["round_vs_eagle3"] = table[name]["round"] / base_round
-    certified = sum(r["certified"] for rows in per_question.values() for r in rows)
-    fallback = sum(r["fallback"] for rows in per_question.values() for r in rows)
-    result = {"settings": vars(args), "per_round_ms": table,
-              "shortlist_certified": certified, "shortlist_fallback": fallback,
-              "shortlist_decisions": audit.decisions,
-              "shortlist_decisions_differing": audit.differ,
-              "shortlist_differing_share": audit.differ / max(audit.decisions, 1)}
+    for q in questions:
+        ids = model.chat_ids([{"role": "user", "content": q["turns"][0]}])
+        for name, kwargs in variants.items():
+            timer = RoundTimer(model.decoder.device)
+            out = model.generate(ids, **shape, **kwargs, timer=timer)
+            per_question[name].append(round_record(out, timer))
+    table = round_table(per_question)
+    costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [5, 10, 20, 30])
+    result = {"settings": vars(args), "per_round_ms": table, "lm_head": costs}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"per verification round, median over {len(questions)} questions ({args.dtype}, "
-          f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads):")
-    header = f"{'variant':38s}" + "".join(f"{s:>12s}" for s in (*SECTIONS, "round")) + \
-        f"{'DM share':>10s}{'vs eagle3':>10s}{'tau':>7s}{'tok/s':>8s}"
-    print(header)
-    for name, row in table.items():
-        print(f"{name:38s}" + "".join(f"{row[s]:10.2f}ms" for s in (*SECTIONS, "round"))
-              + f"{100 * row['dropmatch_share']:9.2f}%{row['round_vs_eagle3']:10.3f}{row['tau']:7.2f}"
-              + f"{row['tok_s']:8.1f}")
-    print(f"shortlist vs full vocabulary: {audit.differ} of {audit.decisions} sample decisions differ "
-          f"({100 * result['shortlist_differing_share']:.3f}%); the shortlist certified {certified} samples, "
-          f"{fallback} fell back to the full vocabulary")
+    print_report(table, costs, f"per verification round, median over {len(questions)} questions ({args.dtype}, "
+                 f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads):")
     return 0
 
 

@@ -28,7 +28,7 @@ GRID = [
     "K3 p0.01 protectauto=--dropmatch-k 3 --dropout-p 0.01 --dropmatch-protect auto",
     "K8 p0.01 protectauto=--dropmatch-k 8 --dropout-p 0.01 --dropmatch-protect auto",
     *[f"K5 auto{r} protectauto=--dropmatch-k 5 --dropout-p auto:{r} --dropmatch-protect auto"
-      for r in ("0.02", "0.05", "0.1")],
+      for r in ("0.02", "0.1", "0.3")],
 ]
 REFERENCE = ["baseline=--baseline", "eagle3="]
 

@@ -5,8 +5,8 @@ import torch
 
 from eagle_dropmatch.acceptance import (DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         longest_accepted_path, process_logits, top_k_rule)
-from eagle_dropmatch.dropmatch import (DropMatchConfig, ShortlistStats, agreement_counts, dropout_masks,
-                                       sample_tokens)
+from eagle_dropmatch.dropmatch import (DropMatchConfig, agreement_counts, dropout_inputs, dropout_masks,
+                                       lm_head_with_samples, rescale_needed, tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
 
 V = 10
@@ -119,53 +119,38 @@ def test_agreement_counts_on_forced_samples():
     assert set_total == 1 + 2 + 2  # {3}, {4, 2}, {5, 1}
 
 
+def sample_argmax(hidden, weight, rows, cfg, seed, bias=None):
+    """[K, N] DropMatch sample tokens at ``rows`` (T = 0), -1 elsewhere, as the engine computes them."""
+    dropped = dropout_inputs(hidden, rows, cfg, torch.Generator().manual_seed(seed))  # [K, R, H]
+    logits = torch.nn.functional.linear(dropped, weight, bias)
+    return tokens_of_samples(logits, rows, hidden.shape[0], 0.0, 1.0, 0, None)[0]
+
+
 def test_sampled_rows_subset_gives_the_same_decisions():
     gen_data = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 16, generator=gen_data)
     weight = torch.randn(V, 16, generator=gen_data)
-    logits = hidden @ weight.T
-    cfg = DropMatchConfig(k=4, p=0.3, shortlist=0)
-    all_rows, _ = sample_tokens(hidden, weight, None, logits, torch.arange(7), TOKENS, cfg, 0.0, 1.0, 0,
-                                torch.Generator().manual_seed(3))
-    some_rows, _ = sample_tokens(hidden, weight, None, logits, torch.tensor([0, 2, 5]), TOKENS, cfg, 0.0,
-                                 1.0, 0, torch.Generator().manual_seed(3))
+    cfg = DropMatchConfig(k=4, p=0.3)
+    all_rows = sample_argmax(hidden, weight, torch.arange(7), cfg, seed=3)
+    some_rows = sample_argmax(hidden, weight, torch.tensor([0, 2, 5]), cfg, seed=3)
     assert torch.equal(all_rows[:, [0, 2, 5]], some_rows[:, [0, 2, 5]])
     assert (some_rows[:, [1, 3, 4, 6]] == -1).all()
+    assert (all_rows >= 0).all()
 
 
-def test_shortlist_equals_full_vocabulary_when_it_covers_the_vocabulary():
-    gen_data = torch.Generator().manual_seed(1)
+def test_one_matmul_gives_the_undropped_and_the_sample_logits():
+    gen_data = torch.Generator().manual_seed(5)
+    lm_head = torch.nn.Linear(16, V, bias=True)
     hidden = torch.randn(7, 16, generator=gen_data)
-    weight = torch.randn(V, 16, generator=gen_data)
-    logits = hidden @ weight.T
-    rows = torch.arange(7)
-    full, _ = sample_tokens(hidden, weight, None, logits, rows, TOKENS, DropMatchConfig(k=5, shortlist=0),
-                            0.0, 1.0, 0, torch.Generator().manual_seed(4))
-    short, _ = sample_tokens(hidden, weight, None, logits, rows, TOKENS, DropMatchConfig(k=5, shortlist=V),
-                             0.0, 1.0, 0, torch.Generator().manual_seed(4))
-    assert torch.equal(full, short)
-
-
-@pytest.mark.parametrize("p", [0.002, 0.05, 0.3])
-def test_certified_shortlist_equals_full_vocabulary(p):
-    gen_data = torch.Generator().manual_seed(2)
-    vocab, width, n = 2000, 64, 40
-    hidden = torch.randn(n, width, generator=gen_data)
-    hidden[:, 3] *= 12  # a massive-activation dimension, as in SmolLM2
-    weight = torch.randn(vocab, width, generator=gen_data) * 0.2
-    bias = torch.randn(vocab, generator=gen_data) * 0.1
-    logits = hidden @ weight.T + bias
-    tree = torch.randint(0, vocab, (n,), generator=gen_data)
-    rows = torch.arange(0, n, 2)
-    full, _ = sample_tokens(hidden, weight, bias, logits, rows, tree, DropMatchConfig(k=5, p=p, shortlist=0),
-                            0.0, 1.0, 0, torch.Generator().manual_seed(4))
-    stats = ShortlistStats()
-    short, _ = sample_tokens(hidden, weight, bias, logits, rows, tree, DropMatchConfig(k=5, p=p, shortlist=16),
-                             0.0, 1.0, 0, torch.Generator().manual_seed(4), stats=stats)
-    assert torch.equal(full, short)
-    assert stats.certified + stats.fallback == 5 * len(rows)
-    if p == 0.002:
-        assert stats.certified > stats.fallback  # small p: the shortlist almost always suffices
+    rows = torch.tensor([0, 1, 2, 5])
+    dropped = dropout_inputs(hidden, rows, DropMatchConfig(k=3, p=0.3), torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, samples = lm_head_with_samples(lm_head, hidden, dropped)
+        assert torch.allclose(logits, lm_head(hidden), atol=1e-6)
+        assert samples.shape == (3, 4, V)
+        assert torch.allclose(samples, lm_head(dropped), atol=1e-6)
+        plain, none = lm_head_with_samples(lm_head, hidden, None)
+    assert none is None and torch.equal(plain, lm_head(hidden).detach())
 
 
 def test_masks_are_inverted_dropout_and_protect_dimensions():
@@ -175,15 +160,35 @@ def test_masks_are_inverted_dropout_and_protect_dimensions():
     assert set(masks.unique().tolist()) <= {0.0, 2.0}
     assert (masks[:, :, 7] == 2.0).all()
     assert not (dropout_masks(8, hidden, 0.5, 0, torch.Generator().manual_seed(0))[:, :, 7] == 2.0).all()
+    plain = dropout_masks(8, hidden, 0.5, 1, torch.Generator().manual_seed(0), rescale=False)
+    assert torch.equal(plain * 2.0, masks)  # the same draws, without the 1/(1-p) factor
+
+
+def test_rescale_is_left_out_only_where_it_cannot_change_a_decision():
+    match = DropMatchConfig(k=5, p=0.3)
+    assert not rescale_needed(match, 0.0, None)
+    assert rescale_needed(match, 0.7, None)  # sampling: the scale sharpens the distribution
+    assert rescale_needed(match, 0.0, torch.zeros(V))  # a bias: the scale moves the argmax
+    assert rescale_needed(DropMatchConfig(k=5, p=0.3, rule="js"), 0.0, None)  # js compares distributions
+
+
+def test_a_sample_that_drops_nothing_is_bit_identical_in_bf16():
+    gen_data = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(7, 16, generator=gen_data) * 4).to(torch.bfloat16)
+    lm_head = torch.nn.Linear(16, V, bias=False).to(torch.bfloat16)
+    cfg = DropMatchConfig(k=5, p=0.01, protect=16)  # every dimension protected: nothing is dropped
+    dropped = dropout_inputs(hidden, torch.arange(7), cfg, torch.Generator().manual_seed(0), rescale=False)
+    with torch.no_grad():
+        logits, samples = lm_head_with_samples(lm_head, hidden, dropped)
+    assert torch.equal(samples, logits.expand(5, -1, -1))
 
 
 def test_protecting_every_dimension_is_exact():
     hidden = torch.randn(7, 16)
     weight = torch.randn(V, 16)
     logits = hidden @ weight.T
-    cfg = DropMatchConfig(k=5, p=0.3, protect=16, shortlist=0)
-    tokens, _ = sample_tokens(hidden, weight, None, logits, torch.arange(7), TOKENS, cfg, 0.0, 1.0, 0,
-                              torch.Generator().manual_seed(0))
+    cfg = DropMatchConfig(k=5, p=0.3, protect=16)
+    tokens = sample_argmax(hidden, weight, torch.arange(7), cfg, seed=0)
     # protected everywhere: h_i = h / (1 - p), a positive rescale, so every sample is the argmax
     assert torch.equal(tokens, logits.argmax(-1).expand(5, -1))
 
@@ -247,21 +252,39 @@ def test_sampling_preserves_the_target_distribution():
     assert stat < dof + 6 * (2 * dof) ** 0.5, (stat, dof)
 
 
+def full_vocabulary_disagreement(hidden, weight, p, seed, k=5):
+    """Share of positions where one of K fresh dropout samples' full-vocabulary argmax is not the undropped one."""
+    dropped = dropout_inputs(hidden, torch.arange(hidden.shape[0]), DropMatchConfig(k=k, p=p),
+                             torch.Generator().manual_seed(seed))
+    return float(((dropped @ weight.T).argmax(-1) != (hidden @ weight.T).argmax(-1)).any(0).float().mean())
+
+
 def test_auto_p_reaches_the_requested_disagreement_rate_and_is_deterministic():
-    from eagle_dropmatch.dropmatch import calibrate_dropout_p, disagreement_rate
+    from eagle_dropmatch.dropmatch import calibrate_dropout_p
     gen_data = torch.Generator().manual_seed(5)
     vocab, width = 500, 48
     hidden = torch.randn(64, width, generator=gen_data)
     weight = torch.randn(vocab, width, generator=gen_data)
-    wmax = float(weight.norm(dim=-1).max())
     for rate in (0.05, 0.2, 0.5):
-        p1 = calibrate_dropout_p(hidden, weight, None, 5, rate, 0, torch.Generator().manual_seed(1), wmax)
-        p2 = calibrate_dropout_p(hidden, weight, None, 5, rate, 0, torch.Generator().manual_seed(1), wmax)
+        p1 = calibrate_dropout_p(hidden, weight, None, 5, rate, 0, torch.Generator().manual_seed(1))
+        p2 = calibrate_dropout_p(hidden, weight, None, 5, rate, 0, torch.Generator().manual_seed(1))
         assert p1 == p2 and 1e-4 < p1 < 0.5
-        # measured on fresh masks, the disagreement is near the requested rate
-        uniforms = torch.rand((5,) + hidden.shape, generator=torch.Generator().manual_seed(9))
-        measured = disagreement_rate(hidden, weight, None, hidden @ weight.T, uniforms, p1, 0, wmax)
+        # measured over the whole vocabulary on fresh masks, the disagreement is near the requested rate
+        measured = full_vocabulary_disagreement(hidden, weight, p1, seed=9)
         assert abs(measured - rate) < 0.12, (rate, p1, measured)
+
+
+def test_calibration_shortlist_covering_the_vocabulary_is_the_full_rate():
+    from eagle_dropmatch.dropmatch import disagreement_rate
+    gen_data = torch.Generator().manual_seed(6)
+    hidden = torch.randn(40, 16, generator=gen_data)
+    weight = torch.randn(V, 16, generator=gen_data)
+    uniforms = torch.rand((5,) + hidden.shape, generator=torch.Generator().manual_seed(2))
+    for p in (0.05, 0.3):
+        rate = disagreement_rate(hidden, weight[None].expand(40, -1, -1), None, uniforms, p, 0)
+        dropped = hidden[None] * (uniforms >= p) / (1 - p)
+        direct = ((dropped @ weight.T).argmax(-1) != (hidden @ weight.T).argmax(-1)).any(0).float().mean()
+        assert rate == pytest.approx(float(direct)) and 0 < rate < 1
 
 
 def test_auto_protect_finds_the_outlier_dimensions():

@@ -88,10 +88,22 @@ def test_dropmatch_off_is_bit_identical_to_exact(target, dm):
             assert off.verified_positions == 0
 
 
-@pytest.mark.parametrize("shortlist", [0, 16])
-def test_dropmatch_never_accepts_less_than_exact_on_the_same_trees(target, shortlist):
+def test_protecting_every_dimension_is_exact_in_bf16():
+    target16 = tiny_target(seed=1).to(torch.bfloat16)
+    engine = SpeculativeDecoder(target16, AUX)
+    drafter = Eagle3Drafter(tiny_head(target16, seed=3).to(torch.bfloat16), 16, 4, 4)
+    everything = DropMatchConfig(k=5, p=0.3, protect=target16.config.hidden_size)
+    for prompt in prompts(2, seed=8):
+        exact = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=30))
+        kept = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=30, dropmatch=everything))
+        assert kept.token_ids == exact.token_ids
+        assert kept.accept_lengths == exact.accept_lengths == kept.exact_accept_lengths
+        assert kept.agreement == 1.0
+
+
+def test_dropmatch_never_accepts_less_than_exact_on_the_same_trees(target):
     engine = SpeculativeDecoder(target, AUX)
-    dm = DropMatchConfig(k=5, p=0.3, shortlist=shortlist)
+    dm = DropMatchConfig(k=5, p=0.3)
     gained = 0
     for i, prompt in enumerate(prompts(3, seed=9)):
         reference, second = greedy_reference(target, prompt, 40, runner_up=True)

@@ -1,0 +1,121 @@
+"""Where a round's time goes on an accelerator, for a target of a real shape with random weights.
+
+    python scripts/bench_device.py --shape llama-3.1-8b --device cuda [--rounds 64] [--tree 8/3/2 60/7/10]
+
+Real checkpoints do not travel to the device machine, so this builds a randomly initialised target of a
+published shape (Llama-3.1-8B by default) and a matching EAGLE-3 head (draft vocabulary 32k, as the
+published Llama-3.1-8B head) directly on the device in bf16, and times lossless EAGLE-3 against
+EAGLE-3 + DropMatch (K=5, p=0.3) per verification round, in the same sections and with the same DropMatch
+cost (lm_head + dropmatch + bookkeeping against EAGLE-3) as scripts/bench_round.py. Random weights accept
+almost nothing, so every round verifies a full tree and commits about one token: the round's cost is what
+is measured here, not tau. ``--shape tiny`` runs the same on a CPU in seconds (a smoke check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_round import lm_head_costs, print_report, round_record, round_table  # noqa: E402
+from eagle_dropmatch.drafters import Eagle3Drafter  # noqa: E402
+from eagle_dropmatch.dropmatch import DropMatchConfig  # noqa: E402
+from eagle_dropmatch.generate import DecodeConfig, RoundTimer, SpeculativeDecoder  # noqa: E402
+from eagle_dropmatch.head import (Eagle3Head, default_aux_layer_ids, head_config_for_target,  # noqa: E402
+                                  init_head_weights)
+
+SHAPES = {  # transformers LlamaConfig fields of published models
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                         max_position_embeddings=8192, draft_vocab_size=32000),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=1000000.0,
+                     max_position_embeddings=8192, draft_vocab_size=32000),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+                 max_position_embeddings=2048, draft_vocab_size=128),
+}
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    fields = dict(SHAPES[shape])
+    draft_vocab = fields.pop("draft_vocab_size")
+    cfg = LlamaConfig(**fields, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:  # initialise on the device: an 8B target never exists on the host
+            target = LlamaForCausalLM(cfg).eval()
+            head = Eagle3Head(head_config_for_target(cfg, draft_vocab_size=draft_vocab),
+                              target.get_input_embeddings())
+            init_head_weights(head, seed=seed)
+            head.set_vocab_map(torch.randperm(cfg.vocab_size, device=device)[:draft_vocab].sort().values)
+    finally:
+        torch.set_default_dtype(previous)
+    aux = default_aux_layer_ids(cfg.num_hidden_layers)
+    return target, head.to(device=device, dtype=dtype).eval(), aux
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tree", nargs="+", default=["8/3/2", "60/7/10"], help="total_token/depth/top_k shapes")
+    p.add_argument("--rounds", type=int, default=64, help="verification rounds per prompt (about one token each)")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-length", type=int, default=256)
+    p.add_argument("--dropmatch-k", type=int, default=5)
+    p.add_argument("--dropout-p", type=float, default=0.3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is visible (use --shape tiny --device cpu for a smoke run)",
+              file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    target, head, aux = build(args.shape, device, dtype, args.seed)
+    engine = SpeculativeDecoder(target, aux)
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = target.config.vocab_size
+    prompts = [torch.randint(0, vocab, (args.prompt_length,), generator=gen) for _ in range(args.prompts)]
+    variants = {"eagle3": DropMatchConfig(),
+                f"dropmatch K={args.dropmatch_k} p={args.dropout_p}": DropMatchConfig(k=args.dropmatch_k,
+                                                                                      p=args.dropout_p)}
+    results = {}
+    for spec in args.tree:
+        total_token, depth, top_k = (int(x) for x in spec.split("/"))
+        drafter = Eagle3Drafter(head, total_token, depth, top_k)
+        for dm in variants.values():  # warm-up
+            engine.generate(prompts[0], drafter, DecodeConfig(max_new_tokens=8, dropmatch=dm))
+        per_prompt = {name: [] for name in variants}
+        for prompt in prompts:
+            for name, dm in variants.items():
+                timer = RoundTimer(device)
+                out = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=args.rounds, dropmatch=dm,
+                                                                    seed=args.seed), timer=timer)
+                per_prompt[name].append(round_record(out, timer))
+        table = round_table(per_prompt)
+        costs = lm_head_costs(target.get_output_embeddings(), total_token, [5, 20, 40])
+        results[spec] = {"per_round_ms": table, "lm_head": costs}
+        if not args.json:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            print_report(table, costs, f"\n{args.shape} (random weights, {args.dtype}) on {name}, tree {spec}, "
+                                       f"median over {len(prompts)} prompts of {args.rounds} rounds:")
+    if args.json:
+        print(json.dumps({"settings": vars(args), "trees": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
