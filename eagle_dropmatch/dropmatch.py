@@ -3,6 +3,8 @@
 For the final hidden state h of a tree node (the LM-head input, post final norm) draw K masks with
 i.i.d. Bernoulli(1 - p) entries, h_i = h * m_i / (1 - p), l_i = W h_i with the target's own LM-head
 weight W. A sample's token is argmax l_i at T = 0, or a draw from its own processed distribution at T > 0.
+(Where only the argmax is used and the head has no bias, the factor 1/(1 - p) is left out: it cannot
+change the argmax, and leaving it out keeps low-precision rounding from flipping ties; ``rescale_needed``.)
 The acceptance rule that uses them lives in ``acceptance.dropmatch_match`` (the undropped token is always
 in the accepted set, so K = 0 or p = 0 is exactly lossless EAGLE-3).
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import choose_tokens
+from .verify import lm_head_logits
 
 
 @dataclass(frozen=True)
@@ -126,9 +129,9 @@ def lm_head_with_samples(lm_head: torch.nn.Module, hidden: torch.Tensor,
         ([N, V] undropped logits, [K, R, V] sample logits or None).
     """
     if dropped is None:
-        return lm_head(hidden), None
+        return lm_head_logits(lm_head, hidden), None
     n, (k, r, h) = hidden.shape[0], dropped.shape
-    logits = lm_head(torch.cat([hidden, dropped.reshape(k * r, h)]))  # [N + K*R, V]
+    logits = lm_head_logits(lm_head, torch.cat([hidden, dropped.reshape(k * r, h)]))  # [N + K*R, V]
     return logits[:n], logits[n:].reshape(k, r, -1)
 
 
@@ -192,8 +195,8 @@ def disagreement_rate(hidden: torch.Tensor, shortlist_weight: torch.Tensor, shor
 @torch.no_grad()
 def calibrate_dropout_p(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int,
                         rate: float, protect: int, generator: torch.Generator | None, positions: int = 64,
-                        shortlist: int = 64, iterations: int = 10, low: float = 1e-4,
-                        high: float = 0.5) -> float:
+                        iterations: int = 10, low: float = 1e-4, high: float = 0.5,
+                        shortlist: int = 64) -> float:
     """The dropout probability at which the K samples disagree at ``rate`` of the prompt's positions.
 
     Bisection on log p over [low, high] using the prompt's own final hidden states (at most ``positions``
@@ -210,6 +213,10 @@ def calibrate_dropout_p(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
         rate: target disagreement share in (0, 1).
         protect: protected dimensions.
         generator: seeded generator on hidden's device.
+        positions: at most this many prompt positions, evenly spaced, are measured.
+        iterations: bisection steps (10 over [1e-4, 0.5] pin p within 1% of itself).
+        low, high: the range searched; a rate never reached (always exceeded) returns about high (low).
+        shortlist: M, the undropped top tokens per position over which samples are scored.
     """
     pick = torch.linspace(0, hidden.shape[0] - 1, min(positions, hidden.shape[0]), device=hidden.device)
     hidden = hidden[pick.round().long()]  # [P, H]

@@ -226,7 +226,9 @@ class SpeculativeDecoder:
             input_ids: the prompt ids ([S] or [1, S]).
             drafter: proposes the trees (its shape settings are its own).
             cfg: decoding settings.
-            timer: optional per-section timer (draft, target, lm_head, dropmatch, bookkeeping).
+            timer: optional per-section timer: prefill (the prompt's target forward, first token and the
+                drafter's reading of the prompt), calibration, then per round draft, target, lm_head,
+                dropmatch and bookkeeping.
 
         Returns:
             The generated turn with per-round statistics.
@@ -246,9 +248,8 @@ class SpeculativeDecoder:
         cache = self._new_cache()
         drafter.reset()
         drafter.start(prompt[0])
-        with timer.section("target"):
+        with timer.section("prefill"):
             hidden, features, logits = self._prefill(prompt, cache, aux)  # [S, H], [S, 3H], [1, V]
-        with timer.section("lm_head"):
             root = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [1]
         result.prefill_time = time.perf_counter() - start
         if dm.active:
@@ -258,8 +259,11 @@ class SpeculativeDecoder:
             result.dropout_p, result.protect = dm.p, dm.protect
         done = self._commit(result, [int(root)], 1, cfg)
         prefix = prompt.shape[1]  # committed entries in the target cache (the root is not in it)
-        with timer.section("draft"):
+        with timer.section("prefill"):
             drafter.commit(features, torch.cat([prompt[0, 1:], root]))
+        # DropMatch draws its masks and sample tokens from a generator of its own, so the target's own
+        # draws at T > 0 are the same with and without it.
+        dm_gen = _new_generator(self.device, cfg.seed + 2) if dm.active else None
 
         while not done and prefix + drafter.max_nodes <= self.max_positions:
             # 1. Draft a tree of N nodes, root first, depth-major.
@@ -275,7 +279,7 @@ class SpeculativeDecoder:
             if dm.active:
                 with timer.section("dropmatch"):
                     rows = tree.has_children.nonzero().flatten()  # [R] nodes whose set can matter
-                    dropped = dropout_inputs(hidden, rows, dm, gen, rescale)  # [K, R, H]
+                    dropped = dropout_inputs(hidden, rows, dm, dm_gen, rescale)  # [K, R, H]
             with timer.section("lm_head"):  # one matmul for the undropped and the dropped rows
                 logits, sample_logits = lm_head_with_samples(self.lm_head, hidden, dropped)  # [N, V], [K, R, V]
                 if cfg.temperature > 0 and tree.sampled:  # drafts drawn from q: rejection sampling
@@ -288,7 +292,7 @@ class SpeculativeDecoder:
             if dm.active:
                 with timer.section("dropmatch"):
                     target_view.sample_tokens, target_view.sample_logits = tokens_of_samples(
-                        sample_logits, rows, len(tree), cfg.temperature, cfg.top_p, cfg.sample_top_k, gen,
+                        sample_logits, rows, len(tree), cfg.temperature, cfg.top_p, cfg.sample_top_k, dm_gen,
                         return_logits=dm.rule == "js")  # [K, N], [K, N, V] or None
             # 3. Accept the longest path whose every token is in its parent's accepted set.
             with timer.section("bookkeeping"):

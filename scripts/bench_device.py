@@ -56,10 +56,11 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
             target = LlamaForCausalLM(cfg).eval()
             head = Eagle3Head(head_config_for_target(cfg, draft_vocab_size=draft_vocab),
                               target.get_input_embeddings())
-            init_head_weights(head, seed=seed)
-            head.set_vocab_map(torch.randperm(cfg.vocab_size, device=device)[:draft_vocab].sort().values)
     finally:
         torch.set_default_dtype(previous)
+    init_head_weights(head, seed=seed)  # draws on the host with a CPU generator, copies to the device
+    draft_ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+    head.set_vocab_map(draft_ids.sort().values.to(device))
     aux = default_aux_layer_ids(cfg.num_hidden_layers)
     return target, head.to(device=device, dtype=dtype).eval(), aux
 
@@ -106,7 +107,9 @@ def main(argv=None) -> int:
                                                                     seed=args.seed), timer=timer)
                 per_prompt[name].append(round_record(out, timer))
         table = round_table(per_prompt)
-        costs = lm_head_costs(target.get_output_embeddings(), total_token, [5, 20, 40])
+        k = args.dropmatch_k
+        costs = lm_head_costs(target.get_output_embeddings(), total_token,
+                              [k, k * max(total_token // 4, 1), k * max(total_token // 2, 1)])
         results[spec] = {"per_round_ms": table, "lm_head": costs}
         if not args.json:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

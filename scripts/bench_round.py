@@ -31,7 +31,7 @@ from eagle_dropmatch.generate import RoundTimer  # noqa: E402
 from eagle_dropmatch.loading import load  # noqa: E402
 from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
 
-SECTIONS = ("draft", "target", "lm_head", "dropmatch", "bookkeeping")
+SECTIONS = ("draft", "target", "lm_head", "dropmatch", "bookkeeping")  # per round; "prefill" is left out
 DROPMATCH_SECTIONS = ("lm_head", "dropmatch", "bookkeeping")  # where DropMatch adds work
 
 

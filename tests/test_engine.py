@@ -130,7 +130,7 @@ def test_round_timer_sections(target):
     timer = RoundTimer()
     engine.generate(prompts(1)[0], Eagle3Drafter(tiny_head(target), 16, 4, 4),
                     DecodeConfig(max_new_tokens=10, dropmatch=DropMatchConfig(k=3, p=0.3)), timer=timer)
-    assert set(timer.totals) == {"draft", "target", "lm_head", "dropmatch", "bookkeeping"}
+    assert set(timer.totals) == {"prefill", "draft", "target", "lm_head", "dropmatch", "bookkeeping"}
     assert all(v > 0 for v in timer.totals.values())
 
 
