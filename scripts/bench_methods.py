@@ -30,6 +30,9 @@ from eagle_dropmatch.loading import load  # noqa: E402
 from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
 
 
+LOAD_FLAGS = ("model_path", "ea_model_path", "draft_model_path", "dtype", "device")
+
+
 def parse_variants(specs: list[str], common: list[str]) -> dict[str, argparse.Namespace]:
     variants = {}
     parser = gen.build_parser()
@@ -75,6 +78,11 @@ def main(argv=None) -> int:
     common = shlex.split(args.common) + ["--bench", args.bench]
     variants = parse_variants(args.variant, common)
     first = next(iter(variants.values()))
+    loaded_once = [k for k in LOAD_FLAGS if any(getattr(v, k) != getattr(first, k) for v in variants.values())]
+    if loaded_once:  # the model is loaded once: per-variant loading flags would be silently ignored
+        print(f"error: variants differ in {', '.join('--' + k.replace('_', '-') for k in loaded_once)}; the model "
+              "is loaded once, so put those flags in --common and run one benchmark per model", file=sys.stderr)
+        return 2
     model = load(first.model_path, first.ea_model_path, dtype=first.dtype, device=first.device, progress=False)
     qfile = question_file(args.bench)
     questions = read_questions(qfile, args.question_begin, args.question_end)
