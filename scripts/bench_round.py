@@ -10,7 +10,8 @@ inside "lm_head"; its cost per round is therefore measured side by side as
     (lm_head + dropmatch + bookkeeping) with DropMatch - (lm_head + bookkeeping) of lossless EAGLE-3
 
 and its share is that cost over the DropMatch round. It also times the LM head alone with extra rows stacked
-into the same matmul or sent through a second one, and checks that stacking leaves the first rows bit for bit.
+into the same matmul or sent through a second one, checks that stacking leaves the first rows bit for bit, and
+counts the prompt positions whose argmax the inverted-dropout factor 1/(1-p) alone changes (rounding).
 Not a test: the figures depend on the machine's load.
 """
 
@@ -65,6 +66,25 @@ def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
     costs["stacked_rows_identical"] = all(torch.equal(lm_head(x[:nodes]), lm_head(x[:nodes + e])[:nodes])
                                           for e in extra_rows)
     return costs
+
+
+@torch.no_grad()
+def rescale_flip_share(model, prompts: list[torch.Tensor], ps=(0.001, 0.01, 0.05, 0.3)) -> dict:
+    """Share of prompt positions whose argmax changes when the LM-head input is only multiplied by 1/(1-p)
+    (inverted dropout with nothing dropped): a pure rounding effect, nil in fp32 for a bias-free head."""
+    from transformers import DynamicCache
+    from eagle_dropmatch.verify import target_forward
+    lm_head = model.target.get_output_embeddings()
+    flips, positions = dict.fromkeys(ps, 0), 0
+    for ids in prompts:
+        hidden, _ = target_forward(model.decoder.decoder, ids[None], torch.arange(len(ids))[None],
+                                   DynamicCache(config=model.target.config), None, None)
+        base = lm_head(hidden).max(-1).indices
+        positions += hidden.shape[0]
+        for p in ps:
+            scaled = hidden * (torch.ones_like(hidden) / (1 - p))
+            flips[p] += int((lm_head(scaled).max(-1).indices != base).sum())
+    return {"positions": positions, "share": {p: flips[p] / positions for p in ps}}
 
 
 def round_record(out, timer: RoundTimer) -> dict:
@@ -134,20 +154,25 @@ def main(argv=None) -> int:
     for kwargs in variants.values():  # warm-up
         model.generate(first, **{**shape, **kwargs, "max_new_tokens": 16})
     per_question = {name: [] for name in variants}
-    for q in questions:
-        ids = model.chat_ids([{"role": "user", "content": q["turns"][0]}])
+    prompts = [model.chat_ids([{"role": "user", "content": q["turns"][0]}]).to(model.decoder.device)
+               for q in questions]
+    for ids in prompts:
         for name, kwargs in variants.items():
             timer = RoundTimer(model.decoder.device)
             out = model.generate(ids, **shape, **kwargs, timer=timer)
             per_question[name].append(round_record(out, timer))
     table = round_table(per_question)
     costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [5, 10, 20, 30])
-    result = {"settings": vars(args), "per_round_ms": table, "lm_head": costs}
+    flips = rescale_flip_share(model, prompts)
+    result = {"settings": vars(args), "per_round_ms": table, "lm_head": costs, "rescale_flips": flips}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print_report(table, costs, f"per verification round, median over {len(questions)} questions ({args.dtype}, "
                  f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads):")
+    print(f"argmax changed by the 1/(1-p) factor alone (nothing dropped, {args.dtype}), share of "
+          f"{flips['positions']} prompt positions: "
+          + ", ".join(f"p={p}: {100 * v:.2f}%" for p, v in flips["share"].items()))
     return 0
 
 
