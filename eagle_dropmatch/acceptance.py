@@ -287,6 +287,16 @@ def longest_accepted_path(tokens: torch.Tensor, parents: torch.Tensor, depths: t
         [m + 1] int64 node indices (the root and m accepted drafted nodes). Among equally long paths the
         one ending at the lowest node index wins (the best-scored one in a depth-major tree).
     """
+    return ancestors[_deepest_accepted(tokens, parents, depths, ancestors, accept_sets)].nonzero().flatten()
+
+
+def accepted_length(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
+                    accept_sets: torch.Tensor) -> torch.Tensor:
+    """``len(longest_accepted_path(...))`` as a 0-d tensor on the tree's device (no host sync)."""
+    return depths[_deepest_accepted(tokens, parents, depths, ancestors, accept_sets)] + 1
+
+
+def _deepest_accepted(tokens, parents, depths, ancestors, accept_sets) -> torch.Tensor:
+    """Index of the deepest accepted node (the lowest index among equally deep ones)."""
     reach = accepted_mask(tokens, parents, ancestors, accept_sets)
-    best = torch.where(reach, depths, -1).argmax()
-    return ancestors[best].nonzero().flatten()
+    return torch.where(reach, depths, -1).argmax()

@@ -239,24 +239,19 @@ def calibrate_dropout_p(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def agreement_counts(target_tokens: torch.Tensor, sample_tokens: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[int, int, int]:
-    """Counts for the agreement statistics over the verified positions.
+                     counted: torch.Tensor) -> torch.Tensor:
+    """Counts for the agreement statistics over the verified positions, on the tokens' device (no sync).
 
     Args:
         target_tokens: [N] undropped tokens.
         sample_tokens: [K, N] sample tokens.
-        positions: [P] node indices whose sets decided something this round.
+        counted: bool [N], the nodes whose sets decided something this round.
 
     Returns:
-        (positions counted, positions where all K samples equal the undropped token,
-        total size of the accepted sets {undropped} U {samples} over those positions).
+        int64 [3]: positions counted, positions where all K samples equal the undropped token, total size
+        of the accepted sets {undropped} U {samples} over those positions.
     """
-    if positions.numel() == 0:
-        return 0, 0, 0
-    base = target_tokens[positions]  # [P]
-    samples = sample_tokens[:, positions]  # [K, P]
-    agree = int((samples == base[None]).all(dim=0).sum())
-    allset = torch.cat([base[None], samples], dim=0).T  # [P, K+1]
-    srt = allset.sort(dim=1).values
-    sizes = 1 + (srt[:, 1:] != srt[:, :-1]).sum(dim=1)
-    return positions.numel(), agree, int(sizes.sum())
+    agree = (sample_tokens == target_tokens[None]).all(dim=0)  # [N]
+    srt = torch.cat([target_tokens[None], sample_tokens], dim=0).sort(dim=0).values  # [K+1, N]
+    sizes = 1 + (srt[1:] != srt[:-1]).sum(dim=0)  # [N]
+    return torch.stack([counted.sum(), (agree & counted).sum(), (sizes * counted).sum()])

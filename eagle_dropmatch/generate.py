@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .acceptance import (DraftView, TargetView, choose_tokens, exact, longest_accepted_path, make_rule,
-                         rejection_tokens)
+from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, exact, longest_accepted_path,
+                         make_rule, rejection_tokens)
 from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, choose_protect, dropout_inputs,
                         lm_head_with_samples, rescale_needed, tokens_of_samples)
 from .drafters import Drafter
@@ -264,6 +264,7 @@ class SpeculativeDecoder:
         # DropMatch draws its masks and sample tokens from a generator of its own, so the target's own
         # draws at T > 0 are the same with and without it.
         dm_gen = _new_generator(self.device, cfg.seed + 2) if dm.active else None
+        agreement = torch.zeros(3, dtype=torch.long, device=self.device)  # see agreement_counts
 
         while not done and prefix + drafter.max_nodes <= self.max_positions:
             # 1. Draft a tree of N nodes, root first, depth-major.
@@ -299,18 +300,18 @@ class SpeculativeDecoder:
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))
                 path = longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
                                              accept_sets)  # [m + 1], root first
-                exact_len = len(path)
-                if dm.lossy:
-                    exact_len = len(longest_accepted_path(tree.tokens, tree.parents, tree.depths,
-                                                          tree.ancestors, accept_sets[:, :1]))
                 if dm.active:
-                    counts = agreement_counts(tokens, target_view.sample_tokens,
-                                              path[tree.has_children[path]])
-                    result.verified_positions += counts[0]
-                    result.agreeing_positions += counts[1]
-                    result.accepted_set_total += counts[2]
+                    counted = torch.zeros_like(tree.has_children)
+                    counted[path] = tree.has_children[path]  # verified nodes whose sets decided something
+                    agreement += agreement_counts(tokens, target_view.sample_tokens, counted)
                 new_tokens = torch.cat([tree.tokens[path[1:]], tokens[path[-1:]]])  # [m + 1]
-                done = self._commit(result, new_tokens.tolist(), exact_len, cfg)
+                if dm.lossy:  # what exact matching would have committed, fetched with the tokens at once
+                    exact_len = accepted_length(tree.tokens, tree.parents, tree.depths, tree.ancestors,
+                                                accept_sets[:, :1])
+                    *committed, exact_len = torch.cat([new_tokens, exact_len[None]]).tolist()
+                else:
+                    committed, exact_len = new_tokens.tolist(), len(path)
+                done = self._commit(result, committed, exact_len, cfg)
                 # 4. Commit: keep the accepted entries in the target cache; the bonus is the next root.
                 compact_cache(cache, prefix, path)
                 prefix += len(path)
@@ -319,5 +320,6 @@ class SpeculativeDecoder:
                     drafter.commit(None if features is None else features[path], new_tokens)
         if not done:
             result.stop_reason = "context"
+        result.verified_positions, result.agreeing_positions, result.accepted_set_total = agreement.tolist()
         result.wall_time = time.perf_counter() - start
         return result

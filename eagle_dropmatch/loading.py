@@ -135,7 +135,8 @@ class EagleModel:
                  total_token: int = 8, depth: int = 3, top_k: int = 2, draft_length: int = 5,
                  temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
                  dropmatch_k: int = 0, dropout_p: float | str = 0.3, dropmatch_protect: int | str = 0,
-                 dropmatch_rule: str = "match", rule_top_k: int = 2, seed: int = 0, baseline: bool = False, timer: RoundTimer | None = None) -> Generation:
+                 dropmatch_rule: str = "match", rule_top_k: int = 2, seed: int = 0, baseline: bool = False,
+                 timer: RoundTimer | None = None) -> Generation:
         """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
 
         ``method``: "eagle3" (tree N/D/K = total_token/depth/top_k; top_k 1 is chain mode), "sd" (the
@@ -145,7 +146,8 @@ class EagleModel:
         """
         cfg = make_decode_config(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  sample_top_k=sample_top_k, dropmatch_k=dropmatch_k, dropout_p=dropout_p,
-                                 dropmatch_protect=dropmatch_protect, dropmatch_rule=dropmatch_rule, rule_top_k=rule_top_k, seed=seed)
+                                 dropmatch_protect=dropmatch_protect, dropmatch_rule=dropmatch_rule,
+                                 rule_top_k=rule_top_k, seed=seed)
         method = "baseline" if baseline else method or ("sd" if self.draft is not None else "eagle3")
         if method == "baseline":
             return self.decoder.generate_baseline(input_ids, cfg)
@@ -229,7 +231,8 @@ def parse_protect(value: int | str) -> tuple[int, bool]:
 
 def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                        sample_top_k: int = 0, dropmatch_k: int = 0, dropout_p: float | str = 0.3,
-                       dropmatch_protect: int | str = 0, dropmatch_rule: str = "match", rule_top_k: int = 2, seed: int = 0) -> DecodeConfig:
+                       dropmatch_protect: int | str = 0, dropmatch_rule: str = "match", rule_top_k: int = 2,
+                       seed: int = 0) -> DecodeConfig:
     """Validated decoding settings (LoadError with one clear sentence on bad values)."""
     if max_new_tokens < 1:
         raise LoadError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -247,8 +250,8 @@ def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: 
         raise LoadError(f"dropmatch-rule must be one of {', '.join(RULE_NAMES)}, got {dropmatch_rule!r}")
     if rule_top_k < 1:
         raise LoadError(f"rule-top-k must be >= 1, got {rule_top_k}")
-    dm = DropMatchConfig(k=dropmatch_k, p=p, protect=protect, rule=dropmatch_rule, rule_top_k=rule_top_k, auto_rate=auto_rate,
-                         auto_protect=auto_protect)
+    dm = DropMatchConfig(k=dropmatch_k, p=p, protect=protect, rule=dropmatch_rule, rule_top_k=rule_top_k,
+                         auto_rate=auto_rate, auto_protect=auto_protect)
     return DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         sample_top_k=sample_top_k, dropmatch=dm, seed=seed)
 

@@ -29,9 +29,9 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from .head import DraftCache, Eagle3Head, HeadConfig, check_aux_layer_ids, default_aux_layer_ids, save_head
+from .head import DraftCache, Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, save_head
+from .loading import chat_template_ids
 
 TOPIC_SEEDS = [
     "cooking", "travel", "personal finance", "physics", "history", "poetry", "programming in Python",
@@ -128,12 +128,6 @@ def drop_evaluation_prompts(prompts: list[str], banned: set[str]) -> tuple[list[
 
 # ---------------------------------------------------------------------------- generation
 
-def render(tokenizer, messages: list[dict]) -> list[int]:
-    """The prompt ids a training example starts with (the chat template's generation prompt)."""
-    from .loading import chat_template_ids
-    return chat_template_ids(tokenizer, messages)
-
-
 @torch.no_grad()
 def generate_batch(target, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int,
                    eos: list[int], temperature: float = 0.0, generator: torch.Generator | None = None,
@@ -175,7 +169,7 @@ def self_written_prompts(target, tokenizer, n: int, eos: list[int], seed: int,
             f"{rng.choice(TOPIC_SEEDS)}. Reply with the message only." for _ in range(n)]
     prompts = []
     for i in range(0, n, batch_size):
-        batch = [render(tokenizer, [{"role": "user", "content": a}]) for a in asks[i:i + batch_size]]
+        batch = [chat_template_ids(tokenizer, [{"role": "user", "content": a}]) for a in asks[i:i + batch_size]]
         for resp in generate_batch(target, tokenizer, batch, 96, eos, temperature=0.9, generator=gen):
             text = tokenizer.decode(resp, skip_special_tokens=True).strip().strip('"')
             if len(text) > 10:
@@ -196,7 +190,7 @@ def generate_examples(target, tokenizer, prompts: list[str], work: Path, max_new
         examples, tokens = [], 0
         chunk = order[shard_start:shard_start + shard_size]
         for i in range(0, len(chunk), batch_size):
-            batch = [render(tokenizer, [{"role": "user", "content": prompts[j]}])[:max_prompt_tokens]
+            batch = [chat_template_ids(tokenizer, [{"role": "user", "content": prompts[j]}])[:max_prompt_tokens]
                      for j in chunk[i:i + batch_size]]
             for prompt, resp in zip(batch, generate_batch(target, tokenizer, batch, max_new_tokens, eos)):
                 ids = torch.tensor(prompt + resp, dtype=torch.int32)

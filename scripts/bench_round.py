@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
 from eagle_dropmatch.loading import load  # noqa: E402
 from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
@@ -55,10 +56,9 @@ def median_ms(fn, device: torch.device, repeats: int = 40) -> float:
 def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
     """The LM head alone: ``nodes`` rows, plus extra rows in the same matmul or in a second one; and whether
     the stacked product returns the first rows bit for bit."""
-    weight = lm_head.weight
-    gen = torch.Generator(device=weight.device).manual_seed(0)
-    x = torch.randn(nodes + max(extra_rows), weight.shape[1], generator=gen, device=weight.device).to(weight.dtype)
-    dev = weight.device
+    weight, dev = lm_head.weight, lm_head.weight.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(nodes + max(extra_rows), weight.shape[1], generator=gen, device=dev).to(weight.dtype)
     costs = {"rows": nodes, "alone_ms": median_ms(lambda: lm_head(x[:nodes]), dev)}
     costs["stacked_ms"] = {e: median_ms(lambda: lm_head(x[:nodes + e]), dev) for e in extra_rows}
     costs["second_matmul_ms"] = {e: median_ms(lambda: (lm_head(x[:nodes]), lm_head(x[nodes:nodes + e])), dev)
@@ -82,7 +82,8 @@ def rescale_flip_share(model, prompts: list[torch.Tensor], ps=(0.001, 0.01, 0.05
         base = lm_head(hidden).max(-1).indices
         positions += hidden.shape[0]
         for p in ps:
-            scaled = hidden * (torch.ones_like(hidden) / (1 - p))
+            nothing_dropped = dropout_masks(1, hidden, p, hidden.shape[-1], None)[0]  # every dim protected
+            scaled = hidden * nothing_dropped
             flips[p] += int((lm_head(scaled).max(-1).indices != base).sum())
     return {"positions": positions, "share": {p: flips[p] / positions for p in ps}}
 

@@ -114,7 +114,8 @@ def test_rules_are_supersets_of_exact():
 def test_agreement_counts_on_forced_samples():
     target_tokens = torch.tensor([3, 4, 5, 6])
     samples = torch.tensor([[3, 4, 1, 6], [3, 2, 1, 6], [3, 4, 5, 6]])  # [K=3, N=4]
-    positions, agree, set_total = agreement_counts(target_tokens, samples, torch.tensor([0, 1, 2]))
+    positions, agree, set_total = agreement_counts(target_tokens, samples,
+                                                   torch.tensor([True, True, True, False])).tolist()
     assert (positions, agree) == (3, 1)  # only position 0 has all samples equal to the target
     assert set_total == 1 + 2 + 2  # {3}, {4, 2}, {5, 1}
 

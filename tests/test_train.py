@@ -9,7 +9,7 @@ from eagle_dropmatch import train
 from eagle_dropmatch.drafters import Eagle3Drafter
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.head import load_head
-from eagle_dropmatch.loading import load_target
+from eagle_dropmatch.loading import chat_template_ids, load_target
 
 from conftest import greedy_reference, tiny_target
 
@@ -46,7 +46,7 @@ def test_loss_mask_is_exactly_the_generated_assistant_tokens(tiny, tmp_path, tem
         rendered = tokenizer.decode(ids[:start])
         assert rendered.endswith("assistant\n" if template == "chatml" else "assistant<|im_end|>\n\n")
         prompt = next(p for p in prompts if p in rendered)
-        assert ids[:start] == train.render(tokenizer, [{"role": "user", "content": prompt}])
+        assert ids[:start] == chat_template_ids(tokenizer, [{"role": "user", "content": prompt}])
         # the span is what the target generates from that prompt: its greedy continuation, cut at eos
         expected = greedy_reference(target, torch.tensor(ids[:start]), len(ids) - start)
         assert ids[start:] == expected[:len(ids) - start]
@@ -122,7 +122,7 @@ def test_training_lowers_the_loss_and_the_head_serves_exactly(tiny, tmp_path):
                        target_hidden_size=target.config.hidden_size)
     engine = SpeculativeDecoder(target, aux)
     for prompt in prompts[:3]:
-        ids = torch.tensor(train.render(tokenizer, [{"role": "user", "content": prompt}]))
+        ids = torch.tensor(chat_template_ids(tokenizer, [{"role": "user", "content": prompt}]))
         out = engine.generate(ids, Eagle3Drafter(loaded, 16, 4, 4), DecodeConfig(max_new_tokens=30))
         assert out.token_ids == greedy_reference(target, ids, 30)
         assert out.tau > 1.0  # a trained head gets drafts accepted
