@@ -9,7 +9,9 @@ Phases, each resumable from ``--work-dir`` (rerun the same command after an inte
 2. responses: the target answers every prompt itself (self-distillation, batched greedy generation).
    A training example is the chat-templated prompt plus the generated ids; the loss mask is exactly the
    generated ids (the end-of-turn token included), so no template-specific string offsets exist.
-3. draft vocabulary: the ``--draft-vocab-size`` most frequent assistant tokens (coverage printed).
+3. draft vocabulary: the ``--draft-vocab-size`` most frequent assistant tokens (coverage printed), or
+   the vocabulary of ``--init-head`` when training continues from an existing head (more data, a
+   published head adapted to new prompts).
 4. features: the target's low/mid/high features and final hidden states, cached in bf16 shards.
 5. training-time test: ``--ttt-steps`` steps with weights 0.8^k, soft cross-entropy against the target's
    distribution restricted to the draft vocabulary, computed per batch from the cached final hidden states.
@@ -30,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .head import DraftCache, Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, save_head
+from .head import (DraftCache, Eagle3Head, HeadError, check_aux_layer_ids, default_aux_layer_ids, load_head,
+                   save_head)
 from .loading import chat_template_ids
 
 TOPIC_SEEDS = [
@@ -226,6 +229,26 @@ def build_draft_vocab(examples: list[dict], size: int, vocab_size: int) -> tuple
     ids = torch.tensor(sorted(common), dtype=torch.long)
     covered = sum(counts[t] for t in ids.tolist())
     return ids, covered / max(total, 1)
+
+
+def vocab_coverage(examples: list[dict], in_vocab: torch.Tensor) -> float:
+    """Share of assistant tokens whose id is in a draft vocabulary (``in_vocab``: bool [V], a head's t2d)."""
+    hits = total = 0
+    for ex in examples:
+        ids = ex["input_ids"][ex["loss_mask"]].long()
+        hits += int(in_vocab[ids].sum())
+        total += len(ids)
+    return hits / max(total, 1)
+
+
+def load_init_head(path: str, target) -> Eagle3Head:
+    """A head to continue training from, checked against ``target`` (HeadError -> TrainError)."""
+    emb = target.get_input_embeddings()
+    try:
+        return load_head(path, emb, target_vocab_size=emb.weight.shape[0],
+                         target_hidden_size=target.config.hidden_size)
+    except HeadError as exc:
+        raise TrainError(f"--init-head: {exc}") from None
 
 
 # ------------------------------------------------------------------------------- features
@@ -446,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-new-tokens", type=int, default=384)
     a("--max-prompt-tokens", type=int, default=512)
     a("--gen-batch-size", type=int, default=16)
-    a("--draft-vocab-size", type=int, default=8192)
+    a("--draft-vocab-size", type=int, help="draft vocabulary size (default 8192, or the --init-head's)")
+    a("--init-head", help="start from this EAGLE-3 head (official format: a published head or an earlier "
+                          "run) instead of a fresh one; its draft vocabulary and feature layers are kept")
     a("--intermediate-size", type=int, help="head MLP width (default: the target's)")
     a("--epochs", type=int, default=4)
     a("--lr", type=float, default=8e-4)
@@ -476,25 +501,42 @@ def run(args: argparse.Namespace) -> int:
         from .resources import default_target_path
         args.model_path = str(default_target_path())
     settings = {k: getattr(args, k) for k in ("model_path", "draft_vocab_size", "ttt_steps", "seed",
-                                               "intermediate_size", "prompts", "num_prompts")}
-    if (out / "config.json").exists():
-        recorded = out / "training.json"
-        previous = json.loads(recorded.read_text()).get("settings") if recorded.exists() else None
-        if previous != settings:
-            raise TrainError(f"{out} already holds a different head; choose another --out")
+                                               "intermediate_size", "prompts", "num_prompts", "init_head")}
+    if settings["init_head"] is None:  # records of runs made before --init-head existed stay valid
+        del settings["init_head"]
     try:
         target, tokenizer = load_target(args.model_path, resolve_dtype(args.dtype), "cpu")
     except LoadError as exc:
         raise TrainError(str(exc)) from None
     vocab = target.get_input_embeddings().weight.shape[0]
+    layers = target.config.num_hidden_layers
+    init_head = None
+    if args.init_head:
+        init_head = load_init_head(args.init_head, target)
+        init_size = init_head.cfg.draft_vocab_size
+        if args.draft_vocab_size not in (None, init_size):
+            raise TrainError(f"--draft-vocab-size {args.draft_vocab_size} differs from the draft vocabulary "
+                             f"of --init-head ({init_size}); omit it to keep the head's")
+        if args.intermediate_size not in (None, init_head.cfg.intermediate_size):
+            raise TrainError(f"--intermediate-size {args.intermediate_size} differs from --init-head's "
+                             f"({init_head.cfg.intermediate_size})")
+        args.draft_vocab_size = init_size
+    elif args.draft_vocab_size is None:
+        args.draft_vocab_size = 8192
+    settings["draft_vocab_size"] = args.draft_vocab_size
+    if (out / "config.json").exists():
+        recorded = out / "training.json"
+        previous = json.loads(recorded.read_text()).get("settings") if recorded.exists() else None
+        if previous != settings:
+            raise TrainError(f"{out} already holds a different head; choose another --out")
     if args.draft_vocab_size > vocab or args.draft_vocab_size < 1:
         raise TrainError(f"draft vocab size {args.draft_vocab_size} must be in [1, {vocab}] (the target's "
                          "vocabulary)")
     if not getattr(tokenizer, "chat_template", None):
         raise TrainError("the target's tokenizer has no chat template; training needs one")
-    layers = target.config.num_hidden_layers
     try:
-        aux = check_aux_layer_ids(default_aux_layer_ids(layers), layers)
+        aux = check_aux_layer_ids(init_head.cfg.aux_layer_ids if init_head is not None and
+                                  init_head.cfg.aux_layer_ids else default_aux_layer_ids(layers), layers)
     except Exception as exc:
         raise TrainError(f"the engine cannot serve this target: {exc}") from None
     eos = eos_ids(target, tokenizer)
@@ -526,11 +568,14 @@ def run(args: argparse.Namespace) -> int:
     feature_target = target  # features in the serving dtype: the head sees the same at inference
     compute_features(feature_target, examples, aux, work, args.shard_size)
     train_examples = examples[:-args.holdout] if len(examples) > 2 * args.holdout else examples
-    draft_ids, coverage = build_draft_vocab(train_examples, args.draft_vocab_size, vocab)
-    print(f"draft vocab: {len(draft_ids)} tokens cover {coverage:.1%} of training assistant tokens",
+    if init_head is not None:
+        head = init_head.float()
+        coverage = vocab_coverage(train_examples, head.t2d)
+    else:
+        draft_ids, coverage = build_draft_vocab(train_examples, args.draft_vocab_size, vocab)
+        head = init_head_for_target(feature_target, draft_ids, aux, args.seed, args.intermediate_size)
+    print(f"draft vocab: {args.draft_vocab_size} tokens cover {coverage:.1%} of training assistant tokens",
           file=sys.stderr)
-
-    head = init_head_for_target(feature_target, draft_ids, aux, args.seed, args.intermediate_size)
     result = train_head(head, feature_target, train_examples, work, epochs=args.epochs, lr=args.lr,
                         steps=args.ttt_steps, batch_tokens=args.batch_tokens, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, shard_size=args.shard_size,

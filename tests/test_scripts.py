@@ -32,3 +32,55 @@ def test_bench_device_without_cuda_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert module.main(["--device", "cuda"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_head_accuracy_reads_what_the_drafter_drafts(tiny_model_dir):
+    """The teacher-forced first-level draft at every position is the token the engine's drafter proposes
+    after committing the same context, so the script measures what decoding will meet."""
+    import torch
+    from eagle_dropmatch.drafters import Eagle3Drafter
+    from eagle_dropmatch.loading import load
+    module = _script("head_accuracy")
+    model = load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32", progress=False)
+    aux = model.decoder.aux_layer_ids
+    ids = torch.tensor(model.chat_ids([{"role": "user", "content": "Say something long."}]).tolist()
+                       + list(range(5, 25)))
+    features, final = module.target_features(model.target, aux, ids)
+    top2, greedy = module.step0_predictions(model.target, model.head, features, final, ids)
+    lm_head = model.target.get_output_embeddings().weight
+    for i in range(2, len(ids)):  # predict token i from tokens 0..i-1
+        drafter = Eagle3Drafter(model.head, total_token=2, depth=1, top_k=1)
+        drafter.commit(features[:i - 1], ids[1:i])
+        assert int(drafter.propose(i).tokens[1]) == int(top2[i - 2, 0]), i
+        assert int(greedy[i - 2]) == int((final[i - 1] @ lm_head.T).argmax())
+
+
+def test_head_accuracy_end_to_end(tiny_model_dir, tmp_path, capsys):
+    from eagle_dropmatch import gen
+    answers = tmp_path / "base.jsonl"
+    assert gen.main(["--model-path", str(tiny_model_dir / "target"), "--question-file",
+                     str(tiny_model_dir / "questions.jsonl"), "--answer-file", str(answers), "--baseline",
+                     "--no-progress", "--dtype", "float32", "--max-new-tokens", "10"]) == 0
+    capsys.readouterr()
+    module = _script("head_accuracy")
+    argv = ["--answer-file", str(answers), "--question-file", str(tiny_model_dir / "questions.jsonl"),
+            "--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head")]
+    assert module.main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    tokens = sum(len(ids) for line in answers.read_text().splitlines()
+                 for ids in json.loads(line)["choices"][0]["token_ids"])
+    assert report["answer_tokens"] == tokens > 0
+    assert 0 <= report["step0_top1_all"] <= report["step0_top2_all"] <= 1 and len(report["acc"]) == 3
+    assert module.main([*argv, "--steps", "0"]) == 2
+    assert module.main([*argv[:4], "--model-path", str(tiny_model_dir / "target"),
+                        "--ea-model-path", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "--steps must be >= 1" in err and "nowhere" in err
+    assert "Traceback" not in err

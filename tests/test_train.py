@@ -167,3 +167,41 @@ def test_cli_bad_inputs(tiny_model_dir, tmp_path, capsys):
     (other / "config.json").write_text("{}")
     assert train.main(["--model-path", str(tiny_model_dir / "target"), "--out", str(other), "--dtype", "float32"]) == 2
     assert "already holds a different head" in capsys.readouterr().err
+
+
+def _cli(tiny_model_dir, tmp_path, out, *extra):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"Tell me about item {i}." for i in range(10)) + "\n")
+    return train.main(["--model-path", str(tiny_model_dir / "target"), "--out", str(out), "--prompts", str(prompts),
+                       "--num-prompts", "10", "--max-new-tokens", "8", "--gen-batch-size", "5", "--shard-size", "4",
+                       "--holdout", "2", "--batch-tokens", "64", "--dtype", "float32", "--draft-vocab-size", "30",
+                       *extra])
+
+
+def test_cli_trains_a_head_and_continues_from_it(tiny_model_dir, tmp_path, capsys):
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "first", "--epochs", "1") == 0
+    record = json.loads((tmp_path / "first" / "training.json").read_text())
+    assert record["examples"] == 10 and len(record["heldout_acc"]) == 3
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "first", "--epochs", "1") == 0  # the same run again: no-op
+    target, _ = load_target(tiny_model_dir / "target", torch.float32, "cpu")
+    emb = target.get_input_embeddings()
+    first = load_head(tmp_path / "first", emb)
+    # Zero epochs from --init-head writes the head it started from, bit for bit: the warm start loads it.
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "same", "--epochs", "0", "--init-head",
+                str(tmp_path / "first")) == 0
+    same = load_head(tmp_path / "same", emb)
+    for (name, a), b in zip(first.state_dict().items(), same.state_dict().values()):
+        assert torch.equal(a, b), name
+    # One more epoch moves it, and keeps its draft vocabulary.
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "more", "--epochs", "1", "--init-head",
+                str(tmp_path / "first"), "--work-dir", str(tmp_path / "more.work")) == 0
+    more = load_head(tmp_path / "more", emb)
+    assert torch.equal(more.d2t, first.d2t)
+    assert not torch.equal(more.fc.weight, first.fc.weight)
+    capsys.readouterr()
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "bad", "--init-head", str(tmp_path / "first"),
+                "--draft-vocab-size", "20") == 2
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "bad2", "--init-head", str(tmp_path / "nowhere")) == 2
+    err = capsys.readouterr().err
+    assert "differs from the draft vocabulary of --init-head (30)" in err and "--init-head: no EAGLE-3 head" in err
+    assert "Traceback" not in err
