@@ -354,27 +354,33 @@ def shuffled_by_shard(n: int, shard_size: int, seed: int) -> list[int]:
 
 def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, epochs: int, lr: float,
                steps: int, batch_tokens: int, seed: int, checkpoint_every: int, shard_size: int,
-               max_seq: int, max_updates: int | None = None, autocast: bool = True, log=print) -> dict:
+               max_seq: int, max_updates: int | None = None, autocast: bool = True, log=print,
+               run_settings: dict | None = None) -> dict:
     """AdamW (0.9, 0.95), grad clip 0.5, cosine schedule, bf16 autocast; checkpoints and resumes.
 
     A checkpoint is written every ``checkpoint_every`` optimizer updates, at the end of every epoch and when
     ``max_updates`` stops the run early; rerunning continues from it exactly (same data order, same
-    optimizer state). Returns {"history": per-epoch acc_k, "stopped": whether max_updates stopped it}.
+    optimizer state). The checkpoint records ``run_settings``; one recorded by other settings is refused
+    (TrainError) rather than resumed into this run. Returns {"history": per-epoch acc_k, "stopped": whether
+    max_updates stopped it}.
     """
     from tqdm import tqdm
-    draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
-    draft_weight = target.get_output_embeddings().weight[draft_ids].detach().to(torch.bfloat16)
-    t2d = head.t2d.clone()
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / "checkpoint.pt"
     state = {"epoch": 0, "index": 0, "updates": 0}
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
-        head.load_state_dict(saved["head"])  # strict: a checkpoint of another head is an error
+        if saved.get("settings") != run_settings:
+            raise TrainError(f"{ckpt} was written by a run with other settings ({saved.get('settings')}); "
+                             "choose another --work-dir or delete the checkpoint")
+        head.load_state_dict(saved["head"])  # strict
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         log(f"resumed from {ckpt} at epoch {state['epoch']}, example {state['index']}")
+    draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
+    draft_weight = target.get_output_embeddings().weight[draft_ids].detach().to(torch.bfloat16)
+    t2d = head.t2d.clone()
     shards = sorted(work.glob("features_*.pt"))
     n = len(examples)
     total_updates = max(1, epochs * sum(len(e["input_ids"]) for e in examples) // batch_tokens)
@@ -383,7 +389,7 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
 
     def save(index: int) -> None:
         torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(),
-                    "state": {**state, "index": index}}, ckpt)
+                    "state": {**state, "index": index}, "settings": run_settings}, ckpt)
 
     for epoch in range(state["epoch"], epochs):
         order = shuffled_by_shard(n, shard_size, seed + epoch)  # one feature shard in memory at a time
@@ -504,6 +510,8 @@ def run(args: argparse.Namespace) -> int:
                                                "intermediate_size", "prompts", "num_prompts", "init_head")}
     if settings["init_head"] is None:  # records of runs made before --init-head existed stay valid
         del settings["init_head"]
+    else:
+        settings["init_head"] = str(Path(args.init_head).resolve())
     try:
         target, tokenizer = load_target(args.model_path, resolve_dtype(args.dtype), "cpu")
     except LoadError as exc:
@@ -524,10 +532,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.draft_vocab_size is None:
         args.draft_vocab_size = 8192
     settings["draft_vocab_size"] = args.draft_vocab_size
+    record = None  # the record of an earlier run of these settings into the same --out
     if (out / "config.json").exists():
         recorded = out / "training.json"
-        previous = json.loads(recorded.read_text()).get("settings") if recorded.exists() else None
-        if previous != settings:
+        record = json.loads(recorded.read_text()) if recorded.exists() else None
+        if (record or {}).get("settings") != settings:
             raise TrainError(f"{out} already holds a different head; choose another --out")
     if args.draft_vocab_size > vocab or args.draft_vocab_size < 1:
         raise TrainError(f"draft vocab size {args.draft_vocab_size} must be in [1, {vocab}] (the target's "
@@ -580,10 +589,16 @@ def run(args: argparse.Namespace) -> int:
                         steps=args.ttt_steps, batch_tokens=args.batch_tokens, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, shard_size=args.shard_size,
                         max_seq=args.max_seq, max_updates=args.max_updates,
-                        log=lambda m: print(m, file=sys.stderr))
+                        log=lambda m: print(m, file=sys.stderr), run_settings={**settings, "aux": list(aux)})
     if result["stopped"]:
         print(f"stopped after {args.max_updates} updates; rerun the same command to continue", file=sys.stderr)
         return 0
+    if record is not None and not result["history"]:
+        print(f"{out} already holds the head these settings train; nothing to do", file=sys.stderr)
+        return 0
+    first = result["history"][0]["epoch"] if result["history"] else 1
+    if record is not None and first > 1:  # resumed (e.g. more --epochs): keep the epochs trained before
+        result["history"] = [h for h in record.get("history", []) if h["epoch"] < first] + result["history"]
     held = examples[len(train_examples):]
     held_acc = []
     if held:

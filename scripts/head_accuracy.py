@@ -8,9 +8,10 @@ the recorded answer ids), the target reads it once, and the head runs the traini
 answer tokens: acc_k is how often the head's top-1 at step k equals the target's argmax (the figure
 ``python -m eagle_dropmatch.train`` logs on its held-out examples, here on the bench's own text, which the
 head never trained on). Also printed: how often the target's next token is the head's top-1 or top-2 at
-step 0 over all answer tokens (out-of-draft-vocabulary tokens count as misses: the first-level hit rate
-a tree with top_k 2 can reach) and the draft vocabulary's coverage of the answers. Use it to compare
-heads, or to tell a weak head from a distribution shift when tau is lower than training promised.
+step 0 over all answer positions (a target token outside the draft vocabulary counts as a miss: the
+first-level hit rate a tree with top_k 2 can reach) and the share of the target's next tokens there that
+the draft vocabulary holds (the answers' own tokens when they are the target's greedy output). Use it to
+compare heads, or to tell a weak head from a distribution shift when tau is lower than training promised.
 """
 
 from __future__ import annotations
@@ -84,13 +85,47 @@ def turn_accuracy(target, head, aux: list[int], prompt: list[int], answer: list[
             "tokens": int(scored.sum()), "in_vocab": int((head.t2d[greedy] & scored).sum())}
 
 
+def accuracy_over_file(model, answers, questions: dict, steps: int) -> dict:
+    """Summed hit counts (see ``turn_accuracy``) over every answered turn of an answer file.
+
+    Raises:
+        EvalError: a question missing from the set, more answer turns than question turns, token ids
+            outside the target's vocabulary, or no recorded token ids at all.
+    """
+    head, meta = model.head.float(), answers.meta or {}
+    vocab = model.target.get_output_embeddings().weight.shape[0]
+    total = {"acc": [0.0] * steps, "n": [0] * steps, "top1": 0, "top2": 0, "tokens": 0, "in_vocab": 0}
+    for key, answer in answers.answers.items():
+        question = questions.get(key)
+        if question is None or len(answer.turns) > len(question["turns"]):
+            raise EvalError(f"question {key} of {answers.path} is not in the question set with "
+                            f"{len(answer.turns)} turn(s)")
+        for t, turn in enumerate(answer.turns):
+            if not turn.token_ids:
+                continue
+            if max(turn.token_ids) >= vocab or min(turn.token_ids) < 0:
+                raise EvalError(f"question {key}: token ids outside the target's vocabulary of {vocab} "
+                                "(an answer file of another target? pass --model-path)")
+            prompt = prompt_ids(model.tokenizer, question["turns"], [x.text for x in answer.turns], t,
+                                system_prompt=meta.get("system_prompt"), conv_template=meta.get("conv_template"))
+            counts = turn_accuracy(model.target, head, model.decoder.aux_layer_ids, prompt, turn.token_ids, steps)
+            for k in range(steps):
+                total["acc"][k] += counts["acc"][k]
+                total["n"][k] += counts["n"][k]
+            for name in ("top1", "top2", "tokens", "in_vocab"):
+                total[name] += counts[name]
+    if total["tokens"] == 0:
+        raise EvalError(f"{answers.path} records no token_ids to score")
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
     a("--answer-file", required=True, help="answers of the target (gen output with token_ids), e.g. --baseline")
     a("--bench", help="bench of the questions (default: the answer file's recorded question file or bench)")
     a("--question-file", help="question file (instead of --bench)")
-    a("--model-path", help="target (default: the embedded SmolLM2-135M-Instruct)")
+    a("--model-path", help="target (default: the answer file's recorded target, else the embedded default)")
     a("--ea-model-path", help="EAGLE-3 head (default: the bundled one)")
     a("--steps", type=int, default=3, help="training-time-test steps (acc_0..acc_{steps-1})")
     a("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -100,37 +135,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 1:
             raise EvalError(f"--steps must be >= 1, got {args.steps}")
         answers = load_answers(args.answer_file)
-        recorded = (answers.meta or {}).get("question_file") if not args.bench else None
+        meta = answers.meta or {}
+        recorded = meta.get("question_file") if not args.bench else None
         questions = load_questions(args.question_file or recorded, args.bench or answers.bench)
         if questions is None:
             raise EvalError("name the questions with --bench or --question-file")
-        model = load(args.model_path, args.ea_model_path, dtype=args.dtype)
+        model = load(args.model_path or meta.get("model_path"), args.ea_model_path, dtype=args.dtype)
         if model.head is None:
             raise EvalError("no EAGLE-3 head: pass --ea-model-path")
-    except (EvalError, LoadError, ResourceError) as exc:
+        total = accuracy_over_file(model, answers, questions, args.steps)
+    except (EvalError, LoadError, ResourceError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    head = model.head.float()
-    meta = answers.meta or {}
-    total = {"acc": [0.0] * args.steps, "n": [0] * args.steps, "top1": 0, "top2": 0, "tokens": 0, "in_vocab": 0}
-    for key, answer in answers.answers.items():
-        question = questions.get(key)
-        if question is None:
-            print(f"error: question {key} of {args.answer_file} is not in the question set", file=sys.stderr)
-            return 2
-        for t, turn in enumerate(answer.turns):
-            if not turn.token_ids:
-                continue
-            prompt = prompt_ids(model.tokenizer, question["turns"], [x.text for x in answer.turns], t,
-                                system_prompt=meta.get("system_prompt"), conv_template=meta.get("conv_template"))
-            counts = turn_accuracy(model.target, head, model.decoder.aux_layer_ids, prompt, turn.token_ids,
-                                   args.steps)
-            for k in range(args.steps):
-                total["acc"][k] += counts["acc"][k]
-                total["n"][k] += counts["n"][k]
-            for name in ("top1", "top2", "tokens", "in_vocab"):
-                total[name] += counts[name]
-    tokens = max(total["tokens"], 1)
+    tokens = total["tokens"]
     report = {"answer_file": args.answer_file, "answer_tokens": total["tokens"],
               "acc": [round(h / max(n, 1), 4) for h, n in zip(total["acc"], total["n"])],
               "step0_top1_all": round(total["top1"] / tokens, 4), "step0_top2_all": round(total["top2"] / tokens, 4),

@@ -81,6 +81,9 @@ def test_head_accuracy_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert module.main([*argv, "--steps", "0"]) == 2
     assert module.main([*argv[:4], "--model-path", str(tiny_model_dir / "target"),
                         "--ea-model-path", str(tmp_path / "nowhere")]) == 2
+    other = tmp_path / "other_questions.jsonl"
+    other.write_text(json.dumps({"question_id": 99, "turns": ["Hi?"]}) + "\n")
+    assert module.main([*argv[:2], "--question-file", str(other), *argv[4:]]) == 2
     err = capsys.readouterr().err
-    assert "--steps must be >= 1" in err and "nowhere" in err
+    assert "--steps must be >= 1" in err and "nowhere" in err and "is not in the question set" in err
     assert "Traceback" not in err

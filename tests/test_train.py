@@ -174,34 +174,40 @@ def _cli(tiny_model_dir, tmp_path, out, *extra):
     prompts.write_text("\n".join(f"Tell me about item {i}." for i in range(10)) + "\n")
     return train.main(["--model-path", str(tiny_model_dir / "target"), "--out", str(out), "--prompts", str(prompts),
                        "--num-prompts", "10", "--max-new-tokens", "8", "--gen-batch-size", "5", "--shard-size", "4",
-                       "--holdout", "2", "--batch-tokens", "64", "--dtype", "float32", "--draft-vocab-size", "30",
-                       *extra])
+                       "--holdout", "2", "--batch-tokens", "64", "--dtype", "float32", *extra])
 
 
 def test_cli_trains_a_head_and_continues_from_it(tiny_model_dir, tmp_path, capsys):
-    assert _cli(tiny_model_dir, tmp_path, tmp_path / "first", "--epochs", "1") == 0
-    record = json.loads((tmp_path / "first" / "training.json").read_text())
-    assert record["examples"] == 10 and len(record["heldout_acc"]) == 3
-    assert _cli(tiny_model_dir, tmp_path, tmp_path / "first", "--epochs", "1") == 0  # the same run again: no-op
+    first_dir = tmp_path / "first"
+    assert _cli(tiny_model_dir, tmp_path, first_dir, "--epochs", "1", "--draft-vocab-size", "30") == 0
+    record = (first_dir / "training.json").read_text()
+    assert json.loads(record)["examples"] == 10 and len(json.loads(record)["heldout_acc"]) == 3
+    # The same command again trains nothing and keeps the record; more epochs continue it.
+    assert _cli(tiny_model_dir, tmp_path, first_dir, "--epochs", "1", "--draft-vocab-size", "30") == 0
+    assert (first_dir / "training.json").read_text() == record
     target, _ = load_target(tiny_model_dir / "target", torch.float32, "cpu")
     emb = target.get_input_embeddings()
-    first = load_head(tmp_path / "first", emb)
-    # Zero epochs from --init-head writes the head it started from, bit for bit: the warm start loads it.
-    assert _cli(tiny_model_dir, tmp_path, tmp_path / "same", "--epochs", "0", "--init-head",
-                str(tmp_path / "first")) == 0
+    first = load_head(first_dir, emb)
+    # Zero epochs from --init-head (its vocabulary size implied) writes the head it started from, bit for bit.
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "same", "--epochs", "0", "--init-head", str(first_dir)) == 0
     same = load_head(tmp_path / "same", emb)
     for (name, a), b in zip(first.state_dict().items(), same.state_dict().values()):
         assert torch.equal(a, b), name
     # One more epoch moves it, and keeps its draft vocabulary.
-    assert _cli(tiny_model_dir, tmp_path, tmp_path / "more", "--epochs", "1", "--init-head",
-                str(tmp_path / "first"), "--work-dir", str(tmp_path / "more.work")) == 0
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "more", "--epochs", "1", "--init-head", str(first_dir)) == 0
     more = load_head(tmp_path / "more", emb)
     assert torch.equal(more.d2t, first.d2t)
     assert not torch.equal(more.fc.weight, first.fc.weight)
+    assert _cli(tiny_model_dir, tmp_path, first_dir, "--epochs", "2", "--draft-vocab-size", "30") == 0
+    assert [h["epoch"] for h in json.loads((first_dir / "training.json").read_text())["history"]] == [1, 2]
     capsys.readouterr()
-    assert _cli(tiny_model_dir, tmp_path, tmp_path / "bad", "--init-head", str(tmp_path / "first"),
+    # A checkpoint of another run in the work folder is refused, not resumed into this one.
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "mix", "--init-head", str(first_dir), "--work-dir",
+                str(tmp_path / "first.work")) == 2
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "bad", "--init-head", str(first_dir),
                 "--draft-vocab-size", "20") == 2
     assert _cli(tiny_model_dir, tmp_path, tmp_path / "bad2", "--init-head", str(tmp_path / "nowhere")) == 2
     err = capsys.readouterr().err
+    assert "was written by a run with other settings" in err
     assert "differs from the draft vocabulary of --init-head (30)" in err and "--init-head: no EAGLE-3 head" in err
     assert "Traceback" not in err
