@@ -32,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .head import (DraftCache, Eagle3Head, HeadError, check_aux_layer_ids, default_aux_layer_ids, load_head,
-                   save_head)
+from .head import DraftCache, Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, save_head
 from .loading import chat_template_ids
 
 TOPIC_SEEDS = [
@@ -241,32 +240,21 @@ def vocab_coverage(examples: list[dict], in_vocab: torch.Tensor) -> float:
     return hits / max(total, 1)
 
 
-def load_init_head(path: str, target) -> Eagle3Head:
-    """A head to continue training from, checked against ``target`` (HeadError -> TrainError)."""
-    emb = target.get_input_embeddings()
-    try:
-        return load_head(path, emb, target_vocab_size=emb.weight.shape[0],
-                         target_hidden_size=target.config.hidden_size)
-    except HeadError as exc:
-        raise TrainError(f"--init-head: {exc}") from None
-
-
 # ------------------------------------------------------------------------------- features
 
 @torch.no_grad()
 def compute_features(target, examples: list[dict], aux: list[int], work: Path, shard_size: int) -> None:
     """Cache (features [S, 3H], final hidden [S, H]) in bf16 per example, in shards; resumable."""
     from tqdm import tqdm
-    from .verify import decoder_of
+    from .verify import decoder_of, target_forward
     decoder = decoder_of(target)
     done = len(sorted(work.glob("features_*.pt"))) * shard_size
     for start in tqdm(range(done, len(examples), shard_size), desc="features", unit="shard", file=sys.stderr):
         out = []
         for ex in examples[start:start + shard_size]:
             ids = ex["input_ids"].long()[None]
-            res = decoder(input_ids=ids, output_hidden_states=True, use_cache=False)
-            feats = torch.cat([res.hidden_states[i][0] for i in aux], dim=-1)
-            out.append({"features": feats.to(torch.bfloat16), "hidden": res.last_hidden_state[0].to(torch.bfloat16)})
+            hidden, feats = target_forward(decoder, ids, torch.arange(ids.shape[1])[None], None, None, aux)
+            out.append({"features": feats.to(torch.bfloat16), "hidden": hidden.to(torch.bfloat16)})
         torch.save(out, work / f"features_{start // shard_size:05d}.pt")
 
 
@@ -496,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .loading import LoadError, eos_ids, load_target, resolve_dtype
+    from .loading import LoadError, attach_head, eos_ids, load_target, resolve_dtype
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -520,7 +508,10 @@ def run(args: argparse.Namespace) -> int:
     layers = target.config.num_hidden_layers
     init_head = None
     if args.init_head:
-        init_head = load_init_head(args.init_head, target)
+        try:
+            init_head, init_aux = attach_head(target, args.init_head, torch.float32)
+        except LoadError as exc:
+            raise TrainError(f"--init-head: {exc}") from None
         init_size = init_head.cfg.draft_vocab_size
         if args.draft_vocab_size not in (None, init_size):
             raise TrainError(f"--draft-vocab-size {args.draft_vocab_size} differs from the draft vocabulary "
@@ -544,8 +535,7 @@ def run(args: argparse.Namespace) -> int:
     if not getattr(tokenizer, "chat_template", None):
         raise TrainError("the target's tokenizer has no chat template; training needs one")
     try:
-        aux = check_aux_layer_ids(init_head.cfg.aux_layer_ids if init_head is not None and
-                                  init_head.cfg.aux_layer_ids else default_aux_layer_ids(layers), layers)
+        aux = init_aux if init_head is not None else check_aux_layer_ids(default_aux_layer_ids(layers), layers)
     except Exception as exc:
         raise TrainError(f"the engine cannot serve this target: {exc}") from None
     eos = eos_ids(target, tokenizer)
@@ -578,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
     compute_features(feature_target, examples, aux, work, args.shard_size)
     train_examples = examples[:-args.holdout] if len(examples) > 2 * args.holdout else examples
     if init_head is not None:
-        head = init_head.float()
+        head = init_head
         coverage = vocab_coverage(train_examples, head.t2d)
     else:
         draft_ids, coverage = build_draft_vocab(train_examples, args.draft_vocab_size, vocab)

@@ -31,7 +31,8 @@ def target_forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: to
         decoder: the target's body (see ``decoder_of``).
         input_ids: [1, S].
         position_ids: [1, S] absolute positions.
-        cache: a transformers ``DynamicCache`` holding the committed prefix; S entries are appended.
+        cache: a transformers ``DynamicCache`` holding the committed prefix (S entries are appended), or
+            None to read a whole sequence without keeping a cache (training features).
         attention_mask: bool [1, 1, S, prefix + S] (True = attend), or None for causal.
         aux_layer_ids: which ``hidden_states`` to return as draft features, or None for none.
 
@@ -39,7 +40,7 @@ def target_forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: to
         (final hidden [S, H] after the final norm, features [S, 3H] low/mid/high or None).
     """
     out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                  cache=cache, use_cache=True,
+                  cache=cache, use_cache=cache is not None,
                   output_hidden_states=aux_layer_ids is not None)
     hidden = out.last_hidden_state[0]
     if aux_layer_ids is None:

@@ -72,13 +72,12 @@ def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
 def rescale_flip_share(model, prompts: list[torch.Tensor], ps=(0.001, 0.01, 0.05, 0.3)) -> dict:
     """Share of prompt positions whose argmax changes when the LM-head input is only multiplied by 1/(1-p)
     (inverted dropout with nothing dropped): a pure rounding effect, nil in fp32 for a bias-free head."""
-    from transformers import DynamicCache
     from eagle_dropmatch.verify import target_forward
     lm_head = model.target.get_output_embeddings()
     flips, positions = dict.fromkeys(ps, 0), 0
     for ids in prompts:
-        hidden, _ = target_forward(model.decoder.decoder, ids[None], torch.arange(len(ids))[None],
-                                   DynamicCache(config=model.target.config), None, None)
+        positions_ids = torch.arange(len(ids), device=ids.device)[None]
+        hidden, _ = target_forward(model.decoder.decoder, ids[None], positions_ids, None, None, None)
         base = lm_head(hidden).max(-1).indices
         positions += hidden.shape[0]
         for p in ps:

@@ -29,18 +29,18 @@ from eagle_dropmatch.head import DraftCache  # noqa: E402
 from eagle_dropmatch.loading import LoadError, load  # noqa: E402
 from eagle_dropmatch.resources import ResourceError  # noqa: E402
 from eagle_dropmatch.train import ttt_loss  # noqa: E402
-from eagle_dropmatch.verify import decoder_of  # noqa: E402
+from eagle_dropmatch.verify import decoder_of, target_forward  # noqa: E402
 from evaluation.answers import load_answers  # noqa: E402
 from evaluation.common import EvalError  # noqa: E402
 from evaluation.loglik import prompt_ids  # noqa: E402
 from evaluation.questions import load_questions  # noqa: E402
 
 
-@torch.no_grad()
 def target_features(target, aux: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's fused features [S, 3H] and final hidden states [S, H] (fp32) of ids [S]."""
-    out = decoder_of(target)(input_ids=ids[None], output_hidden_states=True, use_cache=False)
-    return torch.cat([out.hidden_states[i][0] for i in aux], dim=-1).float(), out.last_hidden_state[0].float()
+    """The target's fused features [S, 3H] and final hidden states [S, H] (fp32) of ids [S], read as the
+    engine and the trainer read them (``verify.target_forward``)."""
+    final, features = target_forward(decoder_of(target), ids[None], torch.arange(len(ids))[None], None, None, aux)
+    return features.float(), final.float()
 
 
 @torch.no_grad()
