@@ -9,10 +9,14 @@ The acceptance rule that uses them lives in ``acceptance.dropmatch_match`` (the 
 in the accepted set, so K = 0 or p = 0 is exactly lossless EAGLE-3).
 
 Masks for all K samples of all N nodes are drawn at once ([K, N, H]) from a seeded generator on the LM
-head's device, so computing only the rows that can change a decision (nodes with children) gives the
-same decisions as computing every row. The K x R dropped rows go through the LM head in the same matmul
-as the N undropped rows (``lm_head_with_samples``): the weight [V, H] is read once per round, so
-DropMatch costs the extra rows' arithmetic, not a second pass over the LM head.
+head's device, so computing only the samples that can change a decision gives the same decisions as
+computing every one. Two kinds are skipped (``dropout_inputs``): samples at nodes without children (no
+draft token is matched against them), and, where the factor 1/(1 - p) is left out, samples whose mask
+drops nothing: such a sample's input is the undropped row itself, so its token is the undropped token.
+At a small p (``--dropout-p auto`` picks p ~ 3e-4 on SmolLM2) that is most of them. The remaining P dropped
+rows go through the LM head in the same matmul as the N undropped rows (``lm_head_with_samples``): the
+weight [V, H] is read once per round, so DropMatch costs the extra rows' arithmetic, not a second pass
+over the LM head.
 
 ``calibrate_dropout_p`` (``--dropout-p auto``) estimates the disagreement rate over each position's top-M
 undropped tokens, in fp32, so that a bisection over p costs a fraction of a prefill.
@@ -99,21 +103,45 @@ def rescale_needed(cfg: DropMatchConfig, temperature: float, bias: torch.Tensor 
     return temperature > 0 or cfg.rule != "match" or bias is not None
 
 
-def dropout_inputs(hidden: torch.Tensor, rows: torch.Tensor, cfg: DropMatchConfig,
-                   generator: torch.Generator | None, rescale: bool = True) -> torch.Tensor:
-    """The K dropped LM-head inputs [K, R, H] of the given rows.
+@dataclass
+class DropoutSamples:
+    """The dropout samples whose logits are computed this round: P (sample, node) pairs.
 
-    Masks are drawn for all N rows (so that the rows computed never change which mask a row gets).
+    Attributes:
+        sample: [P] sample index in [0, K).
+        node: [P] tree node index in [0, N).
+        inputs: [P, H] their dropped LM-head inputs.
+        k: K, the number of samples per node.
+    """
+
+    sample: torch.Tensor
+    node: torch.Tensor
+    inputs: torch.Tensor
+    k: int
+
+
+def dropout_inputs(hidden: torch.Tensor, nodes: torch.Tensor, cfg: DropMatchConfig,
+                   generator: torch.Generator | None, rescale: bool = True) -> DropoutSamples:
+    """The dropped LM-head inputs of the samples that can change a decision.
+
+    Masks are drawn for all K x N samples (so that which samples are computed never changes which mask a
+    sample gets). Computed: the samples at ``nodes``; without ``rescale`` only those whose mask drops at
+    least one dimension (one that drops nothing has the undropped row as its input, and its token is the
+    undropped token: ``tokens_of_samples`` fills it in).
 
     Args:
         hidden: [N, H] final hidden states of the tree nodes (LM-head input).
-        rows: [R] node indices whose samples can change a decision.
+        nodes: bool [N], the nodes whose samples can change a decision (those with children).
         cfg: DropMatch settings (k, p, protect).
         generator: seeded generator on hidden's device.
         rescale: apply the inverted-dropout factor (see ``rescale_needed``).
     """
     masks = dropout_masks(cfg.k, hidden, cfg.p, cfg.protect, generator, rescale)  # [K, N, H]
-    return hidden[rows][None] * masks[:, rows]
+    wanted = nodes[None].expand(cfg.k, -1)  # [K, N]
+    if not rescale:
+        wanted = wanted & (masks == 0).any(dim=-1)
+    sample, node = wanted.nonzero(as_tuple=True)  # [P], [P]; the round's one host sync for DropMatch
+    return DropoutSamples(sample, node, hidden[node] * masks[sample, node], cfg.k)
 
 
 def lm_head_with_samples(lm_head: torch.nn.Module, hidden: torch.Tensor,
@@ -123,38 +151,45 @@ def lm_head_with_samples(lm_head: torch.nn.Module, hidden: torch.Tensor,
     Args:
         lm_head: the target's output embedding.
         hidden: [N, H] undropped inputs.
-        dropped: [K, R, H] dropped inputs, or None (DropMatch off).
+        dropped: [P, H] dropped inputs (``DropoutSamples.inputs``), or None (DropMatch off).
 
     Returns:
-        ([N, V] undropped logits, [K, R, V] sample logits or None).
+        ([N, V] undropped logits, [P, V] sample logits or None).
     """
     if dropped is None:
         return lm_head_logits(lm_head, hidden), None
-    n, (k, r, h) = hidden.shape[0], dropped.shape
-    logits = lm_head_logits(lm_head, torch.cat([hidden, dropped.reshape(k * r, h)]))  # [N + K*R, V]
-    return logits[:n], logits[n:].reshape(k, r, -1)
+    n = hidden.shape[0]
+    logits = lm_head_logits(lm_head, torch.cat([hidden, dropped]))  # [N + P, V]
+    return logits[:n], logits[n:]
 
 
-def tokens_of_samples(sample_logits: torch.Tensor, rows: torch.Tensor, n: int, temperature: float,
-                      top_p: float, top_k: int, generator: torch.Generator | None,
+def tokens_of_samples(sample_logits: torch.Tensor, samples: DropoutSamples, nodes: torch.Tensor,
+                      target_tokens: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                      generator: torch.Generator | None,
                       return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each sample's token (argmax at T = 0, a draw from its own processed distribution at T > 0).
 
     Args:
-        sample_logits: [K, R, V] logits of the samples at ``rows``.
-        rows: [R] their node indices among the tree's ``n`` nodes.
-        return_logits: also return the sample logits scattered to [K, N, V] (zeros elsewhere; js needs them).
+        sample_logits: [P, V] logits of the computed samples.
+        samples: which (sample, node) pairs they are.
+        nodes: bool [N], the nodes ``dropout_inputs`` was given.
+        target_tokens: [N] the undropped tokens: the token of a sample at ``nodes`` that was not computed
+            (it dropped nothing and the factor was left out, so it is the undropped row).
+        return_logits: also return the sample logits scattered to [K, N, V] (zeros elsewhere; js needs
+            them, and computes every sample at ``nodes`` since it rescales).
 
     Returns:
-        ([K, N] tokens, -1 outside ``rows``; [K, N, V] logits or None).
+        ([K, N] tokens, -1 outside ``nodes``; [K, N, V] logits or None).
     """
-    k = sample_logits.shape[0]
-    tokens = torch.full((k, n), -1, dtype=torch.long, device=sample_logits.device)
-    tokens[:, rows] = choose_tokens(sample_logits, temperature, top_p, top_k, generator)
+    k, n = samples.k, nodes.shape[0]
+    tokens = torch.where(nodes, target_tokens, -1).expand(k, n).clone()  # [K, N]
+    if sample_logits.shape[0]:
+        tokens[samples.sample, samples.node] = choose_tokens(sample_logits, temperature, top_p, top_k,
+                                                             generator)
     full_logits = None
     if return_logits:
         full_logits = sample_logits.new_zeros((k, n, sample_logits.shape[-1]))
-        full_logits[:, rows] = sample_logits
+        full_logits[samples.sample, samples.node] = sample_logits
     return tokens, full_logits
 
 

@@ -60,6 +60,8 @@ class Generation:
         dropout_p, protect: the DropMatch settings used (chosen per request with ``auto``), else None.
         calibration_time: seconds spent choosing them (next to the prefill's), 0 when fixed.
         prefill_time: seconds of the prompt's target forward.
+        computed_samples: DropMatch sample rows sent through the LM head, over all rounds (of K x nodes
+            with children; samples that drop nothing are not computed where the argmax is all they give).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -74,6 +76,7 @@ class Generation:
     protect: int | None = None
     calibration_time: float = 0.0
     prefill_time: float = 0.0
+    computed_samples: int = 0
 
     @property
     def rounds(self) -> int:
@@ -276,13 +279,14 @@ class SpeculativeDecoder:
                     self.decoder, tree.tokens[None], (prefix + tree.depths)[None], cache,
                     tree.attention_mask(prefix), aux)  # [N, H], [N, 3H]
             # 2b. DropMatch: K dropped copies of the LM-head input at the nodes with children.
-            rows = dropped = None
-            if dm.active:
+            samples = None
+            if dm.active:  # only samples at nodes with children can matter (no draft is matched elsewhere)
                 with timer.section("dropmatch"):
-                    rows = tree.has_children.nonzero().flatten()  # [R] nodes whose set can matter
-                    dropped = dropout_inputs(hidden, rows, dm, dm_gen, rescale)  # [K, R, H]
+                    samples = dropout_inputs(hidden, tree.has_children, dm, dm_gen, rescale)  # P of K x N
+                    result.computed_samples += len(samples.sample)
             with timer.section("lm_head"):  # one matmul for the undropped and the dropped rows
-                logits, sample_logits = lm_head_with_samples(self.lm_head, hidden, dropped)  # [N, V], [K, R, V]
+                logits, sample_logits = lm_head_with_samples(
+                    self.lm_head, hidden, None if samples is None else samples.inputs)  # [N, V], [P, V]
                 if cfg.temperature > 0 and tree.sampled:  # drafts drawn from q: rejection sampling
                     tokens = rejection_tokens(logits, tree.tokens, tree.parents, tree.draft_probs,
                                               cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
@@ -293,8 +297,8 @@ class SpeculativeDecoder:
             if dm.active:
                 with timer.section("dropmatch"):
                     target_view.sample_tokens, target_view.sample_logits = tokens_of_samples(
-                        sample_logits, rows, len(tree), cfg.temperature, cfg.top_p, cfg.sample_top_k, dm_gen,
-                        return_logits=dm.rule == "js")  # [K, N], [K, N, V] or None
+                        sample_logits, samples, tree.has_children, tokens, cfg.temperature, cfg.top_p,
+                        cfg.sample_top_k, dm_gen, return_logits=dm.rule == "js")  # [K, N], [K, N, V] or None
             # 3. Accept the longest path whose every token is in its parent's accepted set.
             with timer.section("bookkeeping"):
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))

@@ -2,10 +2,11 @@
 
     python scripts/bench_round.py [--model-path T --ea-model-path H] [--questions 8] [--dtype bfloat16]
 
-Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5, p=0.3 by default) on the same MT-Bench prompts,
-interleaved question by question, and prints the mean milliseconds per round in each section (medians over
-questions). DropMatch's K x R dropped rows share the undropped rows' LM-head matmul, so part of its cost is
-inside "lm_head"; its cost per round is therefore measured side by side as
+Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5; p=0.3 by default, several with ``--dropout-p 0.3 auto
+--protect 0 auto``) on the same MT-Bench prompts, interleaved question by question, and prints the mean
+milliseconds per round in each section (medians over questions) and the DropMatch sample rows computed per
+round. Those rows share the undropped rows' LM-head matmul, so part of DropMatch's cost is inside "lm_head";
+its cost per round is therefore measured side by side as
 
     (lm_head + dropmatch + bookkeeping) with DropMatch - (lm_head + bookkeeping) of lossless EAGLE-3
 
@@ -91,7 +92,8 @@ def round_record(out, timer: RoundTimer) -> dict:
     """Milliseconds per verification round in each section of one generation, its round, tau and tokens/s."""
     rounds = out.rounds - 1  # the prefill is not a verification round
     ms = {s: 1000 * timer.totals.get(s, 0.0) / max(rounds, 1) for s in SECTIONS}
-    return {**ms, "round": sum(ms.values()), "tau": out.tau, "tok_s": len(out.token_ids) / out.wall_time}
+    return {**ms, "round": sum(ms.values()), "tau": out.tau, "tok_s": len(out.token_ids) / out.wall_time,
+            "sample_rows": out.computed_samples / max(rounds, 1)}
 
 
 def round_table(per_prompt: dict[str, list[dict]]) -> dict:
@@ -99,7 +101,8 @@ def round_table(per_prompt: dict[str, list[dict]]) -> dict:
     base = per_prompt["eagle3"]
     table = {}
     for name, rows in per_prompt.items():
-        table[name] = {k: statistics.median(r[k] for r in rows) for k in (*SECTIONS, "round", "tau", "tok_s")}
+        table[name] = {k: statistics.median(r[k] for r in rows) for k in (*SECTIONS, "round", "tau", "tok_s",
+                                                                            "sample_rows")}
         costs = [sum(r[s] for s in DROPMATCH_SECTIONS) - sum(b[s] for s in DROPMATCH_SECTIONS)
                  for r, b in zip(rows, base)]
         table[name]["dropmatch_cost_ms"] = statistics.median(costs)
@@ -111,11 +114,11 @@ def round_table(per_prompt: dict[str, list[dict]]) -> dict:
 def print_report(table: dict, costs: dict, title: str) -> None:
     print(title)
     print(f"{'variant':28s}" + "".join(f"{s:>12s}" for s in (*SECTIONS, "round"))
-          + f"{'DM cost':>10s}{'DM share':>10s}{'vs eagle3':>10s}{'tau':>7s}{'tok/s':>8s}")
+          + f"{'DM cost':>10s}{'DM share':>10s}{'vs eagle3':>10s}{'tau':>7s}{'tok/s':>8s}{'DM rows':>9s}")
     for name, row in table.items():
         print(f"{name:28s}" + "".join(f"{row[s]:10.2f}ms" for s in (*SECTIONS, "round"))
               + f"{row['dropmatch_cost_ms']:8.2f}ms{100 * row['dropmatch_share']:9.2f}%"
-              + f"{row['round_vs_eagle3']:10.3f}{row['tau']:7.2f}{row['tok_s']:8.1f}")
+              + f"{row['round_vs_eagle3']:10.3f}{row['tau']:7.2f}{row['tok_s']:8.1f}{row['sample_rows']:9.1f}")
     print(f"LM head alone, {costs['rows']} rows: {costs['alone_ms']:.2f} ms; with extra rows stacked in the same "
           "matmul / in a second matmul:")
     for e in costs["stacked_ms"]:
@@ -128,26 +131,30 @@ def main(argv=None) -> int:
     p.add_argument("--model-path")
     p.add_argument("--ea-model-path")
     p.add_argument("--bench", default="mt_bench")
+    p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--total-token", type=int, default=8)
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--dropmatch-k", type=int, default=5)
-    p.add_argument("--dropout-p", default="0.3", help="a probability, or auto[:RATE]")
-    p.add_argument("--protect", default="0", help="protected dimensions, or auto")
+    p.add_argument("--dropout-p", nargs="+", default=["0.3"], help="probabilities or auto[:RATE], one variant each")
+    p.add_argument("--protect", nargs="+", default=["0"],
+                   help="protected dimensions or auto: one for all variants, or one per --dropout-p")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
-    questions = read_questions(question_file(args.bench))[:args.questions]
-    variants = {
-        "eagle3": dict(dropmatch_k=0),
-        f"dropmatch K={args.dropmatch_k} p={args.dropout_p}": dict(
-            dropmatch_k=args.dropmatch_k, dropout_p=args.dropout_p, dropmatch_protect=args.protect),
-    }
+    questions = read_questions(Path(args.question_file) if args.question_file else question_file(args.bench))[:args.questions]
+    if len(args.protect) not in (1, len(args.dropout_p)):
+        p.error("--protect takes one value, or one per --dropout-p")
+    protects = args.protect * len(args.dropout_p) if len(args.protect) == 1 else args.protect
+    variants = {"eagle3": dict(dropmatch_k=0)}
+    for dropout_p, protect in zip(args.dropout_p, protects):
+        variants[f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"] = dict(
+            dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
     shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
                  max_new_tokens=args.max_new_tokens)
     first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])

@@ -120,11 +120,24 @@ def test_agreement_counts_on_forced_samples():
     assert set_total == 1 + 2 + 2  # {3}, {4, 2}, {5, 1}
 
 
-def sample_argmax(hidden, weight, rows, cfg, seed, bias=None):
-    """[K, N] DropMatch sample tokens at ``rows`` (T = 0), -1 elsewhere, as the engine computes them."""
-    dropped = dropout_inputs(hidden, rows, cfg, torch.Generator().manual_seed(seed))  # [K, R, H]
-    logits = torch.nn.functional.linear(dropped, weight, bias)
-    return tokens_of_samples(logits, rows, hidden.shape[0], 0.0, 1.0, 0, None)[0]
+def sample_argmax(hidden, weight, nodes, cfg, seed, bias=None, rescale=True):
+    """[K, N] DropMatch sample tokens at ``nodes`` (bool [N]; T = 0), -1 elsewhere, as the engine computes them."""
+    samples = dropout_inputs(hidden, nodes, cfg, torch.Generator().manual_seed(seed), rescale)  # P of K x N
+    logits = torch.nn.functional.linear(samples.inputs, weight, bias)  # [P, V]
+    undropped = torch.nn.functional.linear(hidden, weight, bias).argmax(-1)  # [N]
+    return tokens_of_samples(logits, samples, nodes, undropped, 0.0, 1.0, 0, None)[0]
+
+
+def every_sample_argmax(hidden, weight, cfg, seed, rescale):
+    """[K, N] the argmax of every sample at every node, each computed (the reference for the engine's skips)."""
+    masks = dropout_masks(cfg.k, hidden, cfg.p, cfg.protect, torch.Generator().manual_seed(seed), rescale)
+    return (hidden[None] * masks @ weight.T).argmax(-1)
+
+
+def nodes_at(*indices, n=7):
+    nodes = torch.zeros(n, dtype=torch.bool)
+    nodes[list(indices)] = True
+    return nodes
 
 
 def test_sampled_rows_subset_gives_the_same_decisions():
@@ -132,24 +145,47 @@ def test_sampled_rows_subset_gives_the_same_decisions():
     hidden = torch.randn(7, 16, generator=gen_data)
     weight = torch.randn(V, 16, generator=gen_data)
     cfg = DropMatchConfig(k=4, p=0.3)
-    all_rows = sample_argmax(hidden, weight, torch.arange(7), cfg, seed=3)
-    some_rows = sample_argmax(hidden, weight, torch.tensor([0, 2, 5]), cfg, seed=3)
+    all_rows = sample_argmax(hidden, weight, nodes_at(*range(7)), cfg, seed=3)
+    some_rows = sample_argmax(hidden, weight, nodes_at(0, 2, 5), cfg, seed=3)
     assert torch.equal(all_rows[:, [0, 2, 5]], some_rows[:, [0, 2, 5]])
     assert (some_rows[:, [1, 3, 4, 6]] == -1).all()
     assert (all_rows >= 0).all()
+    assert torch.equal(all_rows, every_sample_argmax(hidden, weight, cfg, seed=3, rescale=True))
+
+
+def test_samples_that_drop_nothing_are_skipped_and_take_the_undropped_token():
+    gen_data = torch.Generator().manual_seed(4)
+    hidden = torch.randn(7, 16, generator=gen_data, dtype=torch.float64)
+    weight = torch.randn(V, 16, generator=gen_data, dtype=torch.float64)
+    for p in (0.01, 0.05, 0.3):
+        cfg = DropMatchConfig(k=5, p=p)
+        samples = dropout_inputs(hidden, nodes_at(*range(7)), cfg, torch.Generator().manual_seed(2), rescale=False)
+        masks = dropout_masks(5, hidden, p, 0, torch.Generator().manual_seed(2), rescale=False)
+        touched = (masks == 0).any(-1)  # [K, N]
+        assert len(samples.sample) == int(touched.sum())  # exactly the samples that drop something
+        assert touched[samples.sample, samples.node].all()
+        tokens = sample_argmax(hidden, weight, nodes_at(*range(7)), cfg, seed=2, rescale=False)
+        assert torch.equal(tokens, every_sample_argmax(hidden, weight, cfg, seed=2, rescale=False))
+    few = dropout_inputs(hidden, nodes_at(*range(7)), DropMatchConfig(k=5, p=0.01),
+                         torch.Generator().manual_seed(2), rescale=False)
+    assert len(few.sample) < 35 // 2  # at p = 0.01 over 16 dims most samples drop nothing: not computed
+    rescaled = dropout_inputs(hidden, nodes_at(*range(7)), DropMatchConfig(k=5, p=0.01),
+                              torch.Generator().manual_seed(2), rescale=True)
+    assert len(rescaled.sample) == 35  # with the factor every sample differs from the undropped row
 
 
 def test_one_matmul_gives_the_undropped_and_the_sample_logits():
     gen_data = torch.Generator().manual_seed(5)
     lm_head = torch.nn.Linear(16, V, bias=True)
     hidden = torch.randn(7, 16, generator=gen_data)
-    rows = torch.tensor([0, 1, 2, 5])
-    dropped = dropout_inputs(hidden, rows, DropMatchConfig(k=3, p=0.3), torch.Generator().manual_seed(1))
+    samples = dropout_inputs(hidden, nodes_at(0, 1, 2, 5), DropMatchConfig(k=3, p=0.3),
+                             torch.Generator().manual_seed(1))
+    assert samples.inputs.shape == (3 * 4, 16)
     with torch.no_grad():
-        logits, samples = lm_head_with_samples(lm_head, hidden, dropped)
+        logits, sample_logits = lm_head_with_samples(lm_head, hidden, samples.inputs)
         assert torch.allclose(logits, lm_head(hidden), atol=1e-6)
-        assert samples.shape == (3, 4, V)
-        assert torch.allclose(samples, lm_head(dropped), atol=1e-6)
+        assert sample_logits.shape == (12, V)
+        assert torch.allclose(sample_logits, lm_head(samples.inputs), atol=1e-6)
         plain, none = lm_head_with_samples(lm_head, hidden, None)
     assert none is None and torch.equal(plain, lm_head(hidden).detach())
 
@@ -174,14 +210,18 @@ def test_rescale_is_left_out_only_where_it_cannot_change_a_decision():
 
 
 def test_a_sample_that_drops_nothing_is_bit_identical_in_bf16():
+    # Why an uncomputed sample may take the undropped token: computed, its row is bit for bit the undropped one.
     gen_data = torch.Generator().manual_seed(3)
     hidden = (torch.randn(7, 16, generator=gen_data) * 4).to(torch.bfloat16)
     lm_head = torch.nn.Linear(16, V, bias=False).to(torch.bfloat16)
-    cfg = DropMatchConfig(k=5, p=0.01, protect=16)  # every dimension protected: nothing is dropped
-    dropped = dropout_inputs(hidden, torch.arange(7), cfg, torch.Generator().manual_seed(0), rescale=False)
+    nothing_dropped = dropout_masks(5, hidden, 0.01, 16, torch.Generator().manual_seed(0), rescale=False)
+    assert (nothing_dropped == 1).all()  # every dimension protected
     with torch.no_grad():
-        logits, samples = lm_head_with_samples(lm_head, hidden, dropped)
-    assert torch.equal(samples, logits.expand(5, -1, -1))
+        logits, samples = lm_head_with_samples(lm_head, hidden, (hidden[None] * nothing_dropped).reshape(35, 16))
+    assert torch.equal(samples.reshape(5, 7, V), logits.expand(5, -1, -1))
+    skipped = dropout_inputs(hidden, nodes_at(*range(7)), DropMatchConfig(k=5, p=0.01, protect=16),
+                             torch.Generator().manual_seed(0), rescale=False)
+    assert len(skipped.sample) == 0  # and the engine does not compute them at all
 
 
 def test_protecting_every_dimension_is_exact():
@@ -189,7 +229,7 @@ def test_protecting_every_dimension_is_exact():
     weight = torch.randn(V, 16)
     logits = hidden @ weight.T
     cfg = DropMatchConfig(k=5, p=0.3, protect=16)
-    tokens = sample_argmax(hidden, weight, torch.arange(7), cfg, seed=0)
+    tokens = sample_argmax(hidden, weight, nodes_at(*range(7)), cfg, seed=0)
     # protected everywhere: h_i = h / (1 - p), a positive rescale, so every sample is the argmax
     assert torch.equal(tokens, logits.argmax(-1).expand(5, -1))
 
@@ -255,8 +295,8 @@ def test_sampling_preserves_the_target_distribution():
 
 def full_vocabulary_disagreement(hidden, weight, p, seed, k=5):
     """Share of positions where one of K fresh dropout samples' full-vocabulary argmax is not the undropped one."""
-    dropped = dropout_inputs(hidden, torch.arange(hidden.shape[0]), DropMatchConfig(k=k, p=p),
-                             torch.Generator().manual_seed(seed))
+    masks = dropout_masks(k, hidden, p, 0, torch.Generator().manual_seed(seed))  # [K, P, H]
+    dropped = hidden[None] * masks
     return float(((dropped @ weight.T).argmax(-1) != (hidden @ weight.T).argmax(-1)).any(0).float().mean())
 
 

@@ -87,3 +87,18 @@ def test_head_accuracy_end_to_end(tiny_model_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--steps must be >= 1" in err and "nowhere" in err and "is not in the question set" in err
     assert "Traceback" not in err
+
+
+def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, capsys):
+    module = _script("bench_round")
+    rc = module.main(["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
+                      "--question-file", str(tiny_model_dir / "questions.jsonl"), "--questions", "2",
+                      "--max-new-tokens", "12", "--dtype", "float32", "--dropout-p", "0.3", "0.001",
+                      "--protect", "0", "--json"])
+    assert rc == 0
+    table = json.loads(capsys.readouterr().out)["per_round_ms"]
+    assert set(table) == {"eagle3", "dropmatch K=5 p=0.3 prot=0", "dropmatch K=5 p=0.001 prot=0"}
+    assert table["eagle3"]["sample_rows"] == 0
+    dense, sparse = table["dropmatch K=5 p=0.3 prot=0"], table["dropmatch K=5 p=0.001 prot=0"]
+    assert 0 < dense["sample_rows"] <= 5 * 8  # K x nodes with children, of the default 8-node tree
+    assert sparse["sample_rows"] < dense["sample_rows"]  # at p=0.001 most samples drop nothing: skipped
