@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
-from eagle_dropmatch.loading import load  # noqa: E402
-from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
+from eagle_dropmatch.loading import LoadError, load, parse_dropout_p, parse_protect  # noqa: E402
+from eagle_dropmatch.resources import ResourceError, question_file, read_questions  # noqa: E402
 
 SECTIONS = ("draft", "target", "lm_head", "dropmatch", "bookkeeping")  # per round; "prefill" is left out
 DROPMATCH_SECTIONS = ("lm_head", "dropmatch", "bookkeeping")  # where DropMatch adds work
@@ -146,8 +146,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
-    questions = read_questions(Path(args.question_file) if args.question_file else question_file(args.bench))[:args.questions]
     if len(args.protect) not in (1, len(args.dropout_p)):
         p.error("--protect takes one value, or one per --dropout-p")
     protects = args.protect * len(args.dropout_p) if len(args.protect) == 1 else args.protect
@@ -155,6 +153,15 @@ def main(argv=None) -> int:
     for dropout_p, protect in zip(args.dropout_p, protects):
         variants[f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"] = dict(
             dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
+    try:
+        for dropout_p, protect in zip(args.dropout_p, protects):
+            parse_dropout_p(dropout_p), parse_protect(protect)
+        model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
+        source = Path(args.question_file) if args.question_file else question_file(args.bench)
+        questions = read_questions(source)[:args.questions]
+    except (LoadError, ResourceError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
                  max_new_tokens=args.max_new_tokens)
     first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])

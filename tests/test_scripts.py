@@ -102,3 +102,15 @@ def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, c
     dense, sparse = table["dropmatch K=5 p=0.3 prot=0"], table["dropmatch K=5 p=0.001 prot=0"]
     assert 0 < dense["sample_rows"] <= 5 * 8  # K x nodes with children, of the default 8-node tree
     assert sparse["sample_rows"] < dense["sample_rows"]  # at p=0.001 most samples drop nothing: skipped
+
+
+def test_bench_round_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
+    module = _script("bench_round")
+    common = ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head")]
+    assert module.main(common + ["--question-file", str(tmp_path / "missing.jsonl")]) == 2
+    assert module.main(common + ["--question-file", str(tiny_model_dir / "questions.jsonl"),
+                                 "--dropout-p", "1.5"]) == 2
+    assert module.main(["--model-path", str(tmp_path / "nothing"), "--question-file",
+                        str(tiny_model_dir / "questions.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert sum(line.startswith("error: ") for line in err.splitlines()) == 3 and "Traceback" not in err, err
