@@ -260,6 +260,12 @@ def compute_features(target, examples: list[dict], aux: list[int], work: Path, s
 
 # ---------------------------------------------------------------------------- training
 
+def draft_lm_head_weight(head: Eagle3Head, target, dtype: torch.dtype) -> torch.Tensor:
+    """The target's LM-head rows of the head's draft vocabulary, [Vd, H] (the soft targets' weight)."""
+    draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
+    return target.get_output_embeddings().weight[draft_ids].detach().to(dtype)
+
+
 def ttt_loss(head: Eagle3Head, features: torch.Tensor, input_ids: torch.Tensor, target_hidden: torch.Tensor,
              loss_mask: torch.Tensor, draft_weight: torch.Tensor, steps: int,
              ) -> tuple[torch.Tensor, list[float], list[int]]:
@@ -366,8 +372,7 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         log(f"resumed from {ckpt} at epoch {state['epoch']}, example {state['index']}")
-    draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
-    draft_weight = target.get_output_embeddings().weight[draft_ids].detach().to(torch.bfloat16)
+    draft_weight = draft_lm_head_weight(head, target, torch.bfloat16)
     t2d = head.t2d.clone()
     shards = sorted(work.glob("features_*.pt"))
     n = len(examples)
@@ -436,8 +441,7 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
 def evaluate_head(head: Eagle3Head, target, examples: list[dict], feature_rows: list[dict],
                   steps: int) -> list[float]:
     """Teacher-forced acc_0..acc_k of the head on held-out examples (top-1 vs the target's argmax)."""
-    draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
-    draft_weight = target.get_output_embeddings().weight[draft_ids].float()
+    draft_weight = draft_lm_head_weight(head, target, torch.float32)
     acc, cnt = [0.0] * steps, [0] * steps
     for ex, feat in zip(examples, feature_rows):
         mask = ex["loss_mask"] & head.t2d[ex["input_ids"].long()]

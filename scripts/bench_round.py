@@ -150,12 +150,11 @@ def main(argv=None) -> int:
         p.error("--protect takes one value, or one per --dropout-p")
     protects = args.protect * len(args.dropout_p) if len(args.protect) == 1 else args.protect
     variants = {"eagle3": dict(dropmatch_k=0)}
-    for dropout_p, protect in zip(args.dropout_p, protects):
-        variants[f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"] = dict(
-            dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
     try:
         for dropout_p, protect in zip(args.dropout_p, protects):
-            parse_dropout_p(dropout_p), parse_protect(protect)
+            parse_dropout_p(dropout_p), parse_protect(protect)  # bad values: one line before loading
+            variants[f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"] = dict(
+                dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
         model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
         source = Path(args.question_file) if args.question_file else question_file(args.bench)
         questions = read_questions(source)[:args.questions]

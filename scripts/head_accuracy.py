@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_dropmatch.head import DraftCache  # noqa: E402
 from eagle_dropmatch.loading import LoadError, load  # noqa: E402
 from eagle_dropmatch.resources import ResourceError  # noqa: E402
-from eagle_dropmatch.train import ttt_loss  # noqa: E402
+from eagle_dropmatch.train import draft_lm_head_weight, ttt_loss  # noqa: E402
 from eagle_dropmatch.verify import decoder_of, target_forward  # noqa: E402
 from evaluation.answers import load_answers  # noqa: E402
 from evaluation.common import EvalError  # noqa: E402
@@ -62,8 +62,9 @@ def step0_predictions(target, head, features: torch.Tensor, final: torch.Tensor,
 
 
 @torch.no_grad()
-def turn_accuracy(target, head, aux: list[int], prompt: list[int], answer: list[int], steps: int) -> dict:
-    """Hit counts of one turn.
+def turn_accuracy(target, head, aux: list[int], prompt: list[int], answer: list[int], steps: int,
+                  draft_weight: torch.Tensor) -> dict:
+    """Hit counts of one turn (``draft_weight``: ``train.draft_lm_head_weight`` of the head, fp32).
 
     Returns:
         {"acc": [steps] hits among in-vocabulary answer tokens, "n": [steps] counted positions,
@@ -74,8 +75,6 @@ def turn_accuracy(target, head, aux: list[int], prompt: list[int], answer: list[
     features, final = target_features(target, aux, ids)
     answer_mask = torch.zeros(len(ids), dtype=torch.bool)
     answer_mask[len(prompt):] = True
-    draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
-    draft_weight = target.get_output_embeddings().weight[draft_ids].float()
     _, accs, counts = ttt_loss(head, features, ids, final, answer_mask & head.t2d[ids], draft_weight, steps)
     top2, greedy = step0_predictions(target, head, features, final, ids)
     scored = answer_mask[2:]  # position p + 2 of row p is an answer token
@@ -94,6 +93,7 @@ def accuracy_over_file(model, answers, questions: dict, steps: int) -> dict:
     """
     head, meta = model.head.float(), answers.meta or {}
     vocab = model.target.get_output_embeddings().weight.shape[0]
+    draft_weight = draft_lm_head_weight(head, model.target, torch.float32)
     total = {"acc": [0.0] * steps, "n": [0] * steps, "top1": 0, "top2": 0, "tokens": 0, "in_vocab": 0}
     for key, answer in answers.answers.items():
         question = questions.get(key)
@@ -108,7 +108,8 @@ def accuracy_over_file(model, answers, questions: dict, steps: int) -> dict:
                                 "(an answer file of another target? pass --model-path)")
             prompt = prompt_ids(model.tokenizer, question["turns"], [x.text for x in answer.turns], t,
                                 system_prompt=meta.get("system_prompt"), conv_template=meta.get("conv_template"))
-            counts = turn_accuracy(model.target, head, model.decoder.aux_layer_ids, prompt, turn.token_ids, steps)
+            counts = turn_accuracy(model.target, head, model.decoder.aux_layer_ids, prompt, turn.token_ids,
+                                   steps, draft_weight)
             for k in range(steps):
                 total["acc"][k] += counts["acc"][k]
                 total["n"][k] += counts["n"][k]

@@ -1,17 +1,23 @@
-"""The device benchmark script runs end to end on a tiny random target on the CPU (a smoke check: its
-figures are not asserted, only that every section and DropMatch's cost are reported)."""
+"""The scripts under scripts/ run end to end on tiny random models on the CPU: the device benchmark (a smoke
+check: its figures are not asserted, only that every section and DropMatch's cost are reported), the round
+breakdown, and head_accuracy; bad input is one error line."""
 
 import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_device.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bench_device_smoke(capsys):
-    spec = importlib.util.spec_from_file_location("bench_device", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("bench_device")
     rc = module.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--rounds", "4", "--prompts", "1",
                       "--prompt-length", "16", "--tree", "4/2/2", "--json"])
     assert rc == 0
@@ -26,19 +32,10 @@ def test_bench_device_smoke(capsys):
 
 def test_bench_device_without_cuda_is_one_line(capsys, monkeypatch):
     import torch
-    spec = importlib.util.spec_from_file_location("bench_device", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script("bench_device")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert module.main(["--device", "cuda"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_head_accuracy_reads_what_the_drafter_drafts(tiny_model_dir):
