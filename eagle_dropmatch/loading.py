@@ -15,7 +15,7 @@ Standard speculative decoding with a separate draft model that shares the target
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -124,6 +124,14 @@ class EagleModel:
     head: Eagle3Head | None
     decoder: SpeculativeDecoder
     draft: object | None = None
+
+    def with_head(self, ea_model_path: str | Path) -> "EagleModel":
+        """The same target, tokenizer and draft model (not reloaded) with another EAGLE-3 head, e.g. to
+        compare two heads side by side in one process. The head is checked against the target as ``load``
+        checks it and takes the target's dtype."""
+        head, aux = attach_head(self.target, ea_model_path, self.target.get_output_embeddings().weight.dtype)
+        decoder = SpeculativeDecoder(self.target, aux, self.decoder.eos_token_ids)
+        return replace(self, head=head, decoder=decoder)
 
     def chat_ids(self, messages: list[dict], system_prompt: str | None = None) -> torch.Tensor:
         """Token ids [S] of a conversation rendered with the tokenizer's chat template."""

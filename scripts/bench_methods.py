@@ -4,9 +4,10 @@
         --variant "baseline=--baseline" --variant "eagle3=" \\
         --variant "dropmatch=--dropmatch-k 5 --dropout-p 0.3"
 
-Every variant is a set of `python -m eagle_dropmatch.gen` flags. The model is loaded once; questions are
-answered variant after variant for each question in turn (so machine noise hits all variants alike), with
-one warm-up per variant. Each variant's answers are written in gen's format (answer file plus meta) under
+Every variant is a set of `python -m eagle_dropmatch.gen` flags. The target is loaded once; variants may
+name different heads (`--ea-model-path`), which are loaded beside it, so two heads are compared side by side.
+Questions are answered variant after variant for each question in turn (so machine noise hits all variants
+alike), with one warm-up per variant. Each variant's answers are written in gen's format (answer file plus meta) under
 --out-dir, so `python -m evaluation.speed|quality|gsm8k` read them. Prints tokens/s, tau, the exact-match
 tau on the same trees, speedup over the first variant, and the ratios of consecutive variants; --json
 prints the same as one object. Not a test: figures depend on the machine and its load.
@@ -26,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle_dropmatch import gen  # noqa: E402
-from eagle_dropmatch.loading import load  # noqa: E402
-from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
+from eagle_dropmatch.loading import EagleModel, LoadError, bundled_head_path, load  # noqa: E402
+from eagle_dropmatch.resources import ResourceError, question_file, read_questions  # noqa: E402
 
 
-LOAD_FLAGS = ("model_path", "ea_model_path", "draft_model_path", "dtype", "device")
+LOAD_FLAGS = ("model_path", "draft_model_path", "dtype", "device")  # one target: the same in every variant
 
 
 def parse_variants(specs: list[str], common: list[str]) -> dict[str, argparse.Namespace]:
@@ -43,6 +44,24 @@ def parse_variants(specs: list[str], common: list[str]) -> dict[str, argparse.Na
         args.model_id = name
         variants[name] = args
     return variants
+
+
+def models_by_head(model: EagleModel, variants: dict[str, argparse.Namespace],
+                   first: argparse.Namespace) -> dict[str | None, EagleModel]:
+    """One model per distinct ``--ea-model-path`` of the variants, all sharing the loaded target.
+
+    ``model`` was loaded with ``first``'s head; None stands for the default head (the bundled one for the
+    embedded default).
+    """
+    models = {first.ea_model_path: model}
+    for vargs in variants.values():
+        if vargs.ea_model_path not in models:
+            path = vargs.ea_model_path or (bundled_head_path() if vargs.model_path is None else None)
+            if path is None:
+                raise LoadError("a variant without --ea-model-path has no head to use; give every EAGLE-3 "
+                                "variant its --ea-model-path")
+            models[vargs.ea_model_path] = model.with_head(path)
+    return models
 
 
 def summarise(records: list[dict]) -> dict:
@@ -66,6 +85,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variant", action="append", required=True, help="NAME=GEN_FLAGS (first = reference)")
     p.add_argument("--bench", default="mt_bench")
+    p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
     p.add_argument("--question-begin", type=int)
     p.add_argument("--question-end", type=int)
     p.add_argument("--turns", type=int, default=1, help="turns per question to answer (MT-Bench has 2)")
@@ -76,16 +96,23 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     common = shlex.split(args.common) + ["--bench", args.bench]
-    variants = parse_variants(args.variant, common)
-    first = next(iter(variants.values()))
-    loaded_once = [k for k in LOAD_FLAGS if any(getattr(v, k) != getattr(first, k) for v in variants.values())]
-    if loaded_once:  # the model is loaded once: per-variant loading flags would be silently ignored
-        print(f"error: variants differ in {', '.join('--' + k.replace('_', '-') for k in loaded_once)}; the model "
-              "is loaded once, so put those flags in --common and run one benchmark per model", file=sys.stderr)
+    try:
+        variants = parse_variants(args.variant, common)
+        first = next(iter(variants.values()))
+        loaded_once = [k for k in LOAD_FLAGS if any(getattr(v, k) != getattr(first, k) for v in variants.values())]
+        if loaded_once:  # the target is loaded once: per-variant target flags would be silently ignored
+            raise gen.UsageError(f"variants differ in {', '.join('--' + k.replace('_', '-') for k in loaded_once)}; "
+                                 "the target is loaded once, so put those flags in --common and run one benchmark "
+                                 "per target")
+        qfile = Path(args.question_file) if args.question_file else question_file(args.bench)
+        questions = read_questions(qfile, args.question_begin, args.question_end)
+        if not questions:
+            raise gen.UsageError(f"no questions in {qfile} between --question-begin and --question-end")
+        model = load(first.model_path, first.ea_model_path, dtype=first.dtype, device=first.device, progress=False)
+        models = models_by_head(model, variants, first)
+    except (gen.UsageError, LoadError, ResourceError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    model = load(first.model_path, first.ea_model_path, dtype=first.dtype, device=first.device, progress=False)
-    qfile = question_file(args.bench)
-    questions = read_questions(qfile, args.question_begin, args.question_end)
     questions = [{**q, "turns": q["turns"][:args.turns]} for q in questions]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,12 +124,13 @@ def main(argv=None) -> int:
         gen.prepare_answer_file(path, {**gen.run_settings(vargs, name), "turns": args.turns})
         files[name] = path.open("a")
         warm = argparse.Namespace(**{**vars(vargs), "max_new_tokens": min(vargs.max_new_tokens, 32)})
+        model = models[vargs.ea_model_path]
         gen.generate_turn(model, gen.prompt_ids(model, [{"role": "user", "content": questions[0]["turns"][0]}],
                                                 warm, "warm-up"), warm)
     records = {name: [] for name in variants}
     for i, q in enumerate(questions):
         for name, vargs in variants.items():
-            record = gen.answer_question(model, q, vargs)
+            record = gen.answer_question(models[vargs.ea_model_path], q, vargs)
             records[name].append(record)
             files[name].write(json.dumps(record) + "\n")
             files[name].flush()

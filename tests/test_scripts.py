@@ -1,6 +1,7 @@
 """The scripts under scripts/ run end to end on tiny random models on the CPU: the device benchmark (a smoke
 check: its figures are not asserted, only that every section and DropMatch's cost are reported), the round
-breakdown, and head_accuracy; bad input is one error line."""
+breakdown, head_accuracy and the side-by-side method benchmark (with two heads); bad input is one error line.
+Scripts that set torch's thread count get --threads 1, the count conftest sets for the whole session."""
 
 import importlib.util
 import json
@@ -111,3 +112,66 @@ def test_bench_round_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
                         str(tiny_model_dir / "questions.jsonl")]) == 2
     err = capsys.readouterr().err
     assert sum(line.startswith("error: ") for line in err.splitlines()) == 3 and "Traceback" not in err, err
+
+
+def test_bench_methods_compares_two_heads_side_by_side(tiny_model_dir, tmp_path, capsys):
+    """Variants may name different heads beside the one loaded target; each variant's answers are the ones
+    gen writes with that head alone (so the comparison really used both heads)."""
+    from collections import Counter
+
+    import torch
+    from conftest import tiny_head
+    from eagle_dropmatch import gen
+    from eagle_dropmatch.head import save_head
+    from eagle_dropmatch.loading import load
+    questions = tiny_model_dir / "questions.jsonl"
+    model = load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32", progress=False)
+    greedy = Counter()
+    for line in questions.open():
+        ids = model.chat_ids([{"role": "user", "content": json.loads(line)["turns"][0]}])
+        greedy.update(model.generate(ids, max_new_tokens=12, baseline=True).token_ids)
+    # The other head always drafts the target's two most frequent greedy tokens: it gets some accepted,
+    # where the random first head gets none.
+    frequent = sorted(token for token, _ in greedy.most_common(2))
+    head = tiny_head(model.target, draft_vocab=2)
+    head.set_vocab_map(torch.tensor(frequent))
+    torch.nn.init.zeros_(head.lm_head.weight)
+    other = tmp_path / "other_head"
+    save_head(head, other)
+    heads = {"first": tiny_model_dir / "head", "other": other}
+    common = (f"--model-path {tiny_model_dir / 'target'} --dtype float32 --max-new-tokens 12 "
+              "--total-token 4 --depth 2 --top-k 2")
+    rc = _script("bench_methods").main(
+        ["--question-file", str(questions), "--out-dir", str(tmp_path / "bench"), "--common", common, "--json",
+         "--threads", "1",
+         "--variant", "baseline=--baseline",
+         *[f"--variant={name}=--ea-model-path {path}" for name, path in heads.items()]])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical_to_baseline"] == {"first": 3, "other": 3}  # fp32: lossless with either head
+    for name, path in heads.items():
+        alone = tmp_path / f"{name}.jsonl"
+        assert gen.main([*common.split(), "--ea-model-path", str(path), "--question-file", str(questions),
+                         "--answer-file", str(alone), "--no-progress"]) == 0
+        side_by_side = [json.loads(line)["choices"][0] for line in (tmp_path / "bench" / f"{name}.jsonl").open()]
+        own = [json.loads(line)["choices"][0] for line in alone.open()]
+        assert [c["accept_lengths"][0] for c in side_by_side] == [c["accept_lengths"][0] for c in own]  # turn 1
+    assert report["table"]["first"]["tau"] < report["table"]["other"]["tau"]  # the two heads drafted differently
+
+
+def test_bench_methods_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
+    module = _script("bench_methods")
+    target, questions = str(tiny_model_dir / "target"), str(tiny_model_dir / "questions.jsonl")
+    base = ["--question-file", questions, "--out-dir", str(tmp_path / "out"), "--threads", "1"]
+    assert module.main([*base, "--common", f"--model-path {target}", "--variant", "a=--baseline",
+                        "--variant", "b=--baseline --dtype float32"]) == 2  # two targets
+    assert module.main([*base, "--common", f"--model-path {target}", "--variant", "a=--top-k 0"]) == 2
+    assert module.main([*base, "--common", f"--model-path {target}", "--variant", "a=--baseline",
+                        "--variant", f"b=--ea-model-path {tmp_path / 'nowhere'}"]) == 2
+    assert module.main([*base[2:], "--question-file", str(tmp_path / "missing.jsonl"),
+                        "--common", f"--model-path {target}", "--variant", "a=--baseline"]) == 2
+    assert module.main([*base, "--question-begin", "5", "--common", f"--model-path {target}",
+                        "--variant", "a=--baseline"]) == 2
+    err = capsys.readouterr().err
+    assert sum(line.startswith("error: ") for line in err.splitlines()) == 5 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()  # nothing written before the input was checked
