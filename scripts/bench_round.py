@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle_dropmatch.acceptance import first_argmax  # noqa: E402
 from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
 from eagle_dropmatch.loading import LoadError, load, parse_dropout_p, parse_protect  # noqa: E402
@@ -55,8 +56,9 @@ def median_ms(fn, device: torch.device, repeats: int = 40) -> float:
 
 @torch.no_grad()
 def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
-    """The LM head alone: ``nodes`` rows, plus extra rows in the same matmul or in a second one; and whether
-    the stacked product returns the first rows bit for bit."""
+    """The LM head alone: ``nodes`` rows, plus extra rows in the same matmul or in a second one; whether
+    the stacked product returns the first rows bit for bit; and the argmax of its logits with
+    ``max(dim=-1).indices`` against the engine's ``first_argmax`` (same result, checked)."""
     weight, dev = lm_head.weight, lm_head.weight.device
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(nodes + max(extra_rows), weight.shape[1], generator=gen, device=dev).to(weight.dtype)
@@ -66,6 +68,13 @@ def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
                                  for e in extra_rows}
     costs["stacked_rows_identical"] = all(torch.equal(lm_head(x[:nodes]), lm_head(x[:nodes + e])[:nodes])
                                           for e in extra_rows)
+    costs["argmax_ms"] = {}
+    for e in (0, *extra_rows):
+        logits = lm_head(x[:nodes + e])
+        if not torch.equal(first_argmax(logits), logits.max(dim=-1).indices):
+            raise AssertionError("first_argmax differs from max(dim=-1).indices")
+        costs["argmax_ms"][nodes + e] = {"max": median_ms(lambda: logits.max(dim=-1).indices, dev),
+                                         "first_argmax": median_ms(lambda: first_argmax(logits), dev)}
     return costs
 
 
@@ -124,6 +133,9 @@ def print_report(table: dict, costs: dict, title: str) -> None:
     for e in costs["stacked_ms"]:
         print(f"  +{e:3d} rows: {costs['stacked_ms'][e]:.2f} ms / {costs['second_matmul_ms'][e]:.2f} ms")
     print(f"stacked product returns the first {costs['rows']} rows bit for bit: {costs['stacked_rows_identical']}")
+    print("argmax of the logits, max(dim=-1).indices / first_argmax (the engine's; same tokens): "
+          + ", ".join(f"{rows} rows {t['max']:.3f} / {t['first_argmax']:.3f} ms"
+                      for rows, t in costs["argmax_ms"].items()))
 
 
 def main(argv=None) -> int:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from eagle_dropmatch.acceptance import (DraftView, TargetView, choose_tokens, dropmatch_match, exact,
-                                        longest_accepted_path, process_logits, top_k_rule)
+from eagle_dropmatch.acceptance import (ARGMAX_BLOCK, DraftView, TargetView, choose_tokens, dropmatch_match, exact,
+                                        first_argmax, longest_accepted_path, process_logits, top_k_rule)
 from eagle_dropmatch.dropmatch import (DropMatchConfig, agreement_counts, dropout_inputs, dropout_masks,
                                        lm_head_with_samples, rescale_needed, tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
@@ -239,6 +239,24 @@ def test_process_logits_top_p_and_top_k():
     assert torch.allclose(process_logits(logits, 1.0, top_p=0.7), torch.tensor([0.625, 0.375, 0, 0]))
     assert torch.allclose(process_logits(logits, 1.0, top_k=1), torch.tensor([1.0, 0, 0, 0]))
     assert torch.allclose(process_logits(logits, 1.0), torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("vocab", [3 * ARGMAX_BLOCK, 3 * ARGMAX_BLOCK + 37, 49152])
+def test_first_argmax_is_max_indices_with_its_tie_break(dtype, vocab):
+    """The blocked CPU argmax returns what ``max(dim=-1).indices`` returns: the first maximum, also over
+    ties across blocks, a maximum in the partial last block, all -inf rows and NaNs."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-3, 4, (2, 6, vocab), generator=gen).to(dtype)  # integer values: ties everywhere
+    logits[0, 0] = float("-inf")
+    logits[0, 1, -1] = 50  # the winner is the last entry
+    logits[0, 2, [5, ARGMAX_BLOCK + 5, vocab - 2]] = 50  # tied winners in three blocks: the first one
+    logits[0, 3, [ARGMAX_BLOCK + 9, vocab - 1]] = float("nan")
+    logits[1] = torch.randn(6, vocab, generator=gen).to(dtype)
+    expected = logits.max(dim=-1).indices
+    assert torch.equal(first_argmax(logits), expected)
+    assert int(expected[0, 2]) == 5 and int(expected[0, 1]) == vocab - 1
+    assert torch.equal(choose_tokens(logits, 0.0, 1.0, 0, None), expected)
 
 
 def test_choose_tokens_is_seeded():

@@ -92,24 +92,27 @@ def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, c
     rc = module.main(["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
                       "--question-file", str(tiny_model_dir / "questions.jsonl"), "--questions", "2",
                       "--max-new-tokens", "12", "--dtype", "float32", "--dropout-p", "0.3", "0.001",
-                      "--protect", "0", "--json"])
+                      "--protect", "0", "--json", "--threads", "1"])
     assert rc == 0
-    table = json.loads(capsys.readouterr().out)["per_round_ms"]
+    report = json.loads(capsys.readouterr().out)
+    table = report["per_round_ms"]
     assert set(table) == {"eagle3", "dropmatch K=5 p=0.3 prot=0", "dropmatch K=5 p=0.001 prot=0"}
     assert table["eagle3"]["sample_rows"] == 0
     dense, sparse = table["dropmatch K=5 p=0.3 prot=0"], table["dropmatch K=5 p=0.001 prot=0"]
     assert 0 < dense["sample_rows"] <= 5 * 8  # K x nodes with children, of the default 8-node tree
     assert sparse["sample_rows"] < dense["sample_rows"]  # at p=0.001 most samples drop nothing: skipped
+    assert set(report["lm_head"]["argmax_ms"]) == {"8", "13", "18", "28", "38"}  # 8 nodes + 0/5/10/20/30 rows
 
 
 def test_bench_round_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
     module = _script("bench_round")
-    common = ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head")]
+    common = ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
+              "--threads", "1"]
     assert module.main(common + ["--question-file", str(tmp_path / "missing.jsonl")]) == 2
     assert module.main(common + ["--question-file", str(tiny_model_dir / "questions.jsonl"),
                                  "--dropout-p", "1.5"]) == 2
     assert module.main(["--model-path", str(tmp_path / "nothing"), "--question-file",
-                        str(tiny_model_dir / "questions.jsonl")]) == 2
+                        str(tiny_model_dir / "questions.jsonl"), "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert sum(line.startswith("error: ") for line in err.splitlines()) == 3 and "Traceback" not in err, err
 
