@@ -46,22 +46,23 @@ def parse_variants(specs: list[str], common: list[str]) -> dict[str, argparse.Na
     return variants
 
 
-def models_by_head(model: EagleModel, variants: dict[str, argparse.Namespace],
-                   first: argparse.Namespace) -> dict[str | None, EagleModel]:
-    """One model per distinct ``--ea-model-path`` of the variants, all sharing the loaded target.
+def models_by_variant(model: EagleModel, variants: dict[str, argparse.Namespace],
+                      first: argparse.Namespace) -> dict[str, EagleModel]:
+    """The model each variant decodes with: one per distinct ``--ea-model-path``, all sharing the loaded target.
 
     ``model`` was loaded with ``first``'s head; None stands for the default head (the bundled one for the
-    embedded default).
+    embedded default). Plain decoding (``--baseline``) needs no head and uses ``model``.
     """
-    models = {first.ea_model_path: model}
+    by_head = {first.ea_model_path: model}
     for vargs in variants.values():
-        if vargs.ea_model_path not in models:
-            path = vargs.ea_model_path or (bundled_head_path() if vargs.model_path is None else None)
-            if path is None:
-                raise LoadError("a variant without --ea-model-path has no head to use; give every EAGLE-3 "
-                                "variant its --ea-model-path")
-            models[vargs.ea_model_path] = model.with_head(path)
-    return models
+        if vargs.baseline or vargs.ea_model_path in by_head:
+            continue
+        path = vargs.ea_model_path or (bundled_head_path() if vargs.model_path is None else None)
+        if path is None:
+            raise LoadError("a variant without --ea-model-path has no head to use; give every EAGLE-3 "
+                            "variant its --ea-model-path")
+        by_head[vargs.ea_model_path] = model.with_head(path)
+    return {name: model if vargs.baseline else by_head[vargs.ea_model_path] for name, vargs in variants.items()}
 
 
 def summarise(records: list[dict]) -> dict:
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
         if not questions:
             raise gen.UsageError(f"no questions in {qfile} between --question-begin and --question-end")
         model = load(first.model_path, first.ea_model_path, dtype=first.dtype, device=first.device, progress=False)
-        models = models_by_head(model, variants, first)
+        models = models_by_variant(model, variants, first)
     except (gen.UsageError, LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -124,13 +125,13 @@ def main(argv=None) -> int:
         gen.prepare_answer_file(path, {**gen.run_settings(vargs, name), "turns": args.turns})
         files[name] = path.open("a")
         warm = argparse.Namespace(**{**vars(vargs), "max_new_tokens": min(vargs.max_new_tokens, 32)})
-        model = models[vargs.ea_model_path]
-        gen.generate_turn(model, gen.prompt_ids(model, [{"role": "user", "content": questions[0]["turns"][0]}],
-                                                warm, "warm-up"), warm)
+        first_prompt = gen.prompt_ids(models[name], [{"role": "user", "content": questions[0]["turns"][0]}], warm,
+                                      "warm-up")
+        gen.generate_turn(models[name], first_prompt, warm)
     records = {name: [] for name in variants}
     for i, q in enumerate(questions):
         for name, vargs in variants.items():
-            record = gen.answer_question(models[vargs.ea_model_path], q, vargs)
+            record = gen.answer_question(models[name], q, vargs)
             records[name].append(record)
             files[name].write(json.dumps(record) + "\n")
             files[name].flush()
