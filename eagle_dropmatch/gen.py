@@ -244,9 +244,9 @@ def answer_question(model, question: dict, args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     from .loading import LoadError, load
-    from .resources import ResourceError, question_file, read_questions
+    from .resources import ResourceError, questions_path, read_questions
     try:
-        qfile = Path(args.question_file) if args.question_file else question_file(args.bench, args.data_dir)
+        qfile = questions_path(args.question_file, args.bench, args.data_dir)
         questions = read_questions(qfile, args.question_begin, args.question_end)
     except ResourceError as exc:
         raise UsageError(str(exc)) from None

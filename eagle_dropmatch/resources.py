@@ -177,6 +177,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 # Benchmark data
 
 
+def questions_path(path: str | os.PathLike | None, bench: str, data_dir: str | None = None) -> Path:
+    """The question file a command reads: ``path`` (``--question-file``) when given, else ``bench``'s
+    (``question_file``)."""
+    return Path(path) if path else question_file(bench, data_dir)
+
+
 def question_file(bench: str, data_dir: str | None = None) -> Path:
     """Finds the 80-question file ``<bench>/question.jsonl`` of a benchmark.
 

@@ -7,8 +7,8 @@
 Every variant is a set of `python -m eagle_dropmatch.gen` flags. The target is loaded once; variants may
 name different heads (`--ea-model-path`), which are loaded beside it, so two heads are compared side by side.
 Questions are answered variant after variant for each question in turn (so machine noise hits all variants
-alike), with one warm-up per variant. Each variant's answers are written in gen's format (answer file plus meta) under
---out-dir, so `python -m evaluation.speed|quality|gsm8k` read them. Prints tokens/s, tau, the exact-match
+alike), with one warm-up per variant. Each variant's answers are written in gen's format (answer file plus
+meta) under --out-dir, so `python -m evaluation.speed|quality|gsm8k` read them. Prints tokens/s, tau, the exact-match
 tau on the same trees, speedup over the first variant, and the ratios of consecutive variants; --json
 prints the same as one object. Not a test: figures depend on the machine and its load.
 """
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from eagle_dropmatch import gen  # noqa: E402
 from eagle_dropmatch.loading import EagleModel, LoadError, bundled_head_path, load  # noqa: E402
-from eagle_dropmatch.resources import ResourceError, question_file, read_questions  # noqa: E402
+from eagle_dropmatch.resources import ResourceError, questions_path, read_questions  # noqa: E402
 
 
 LOAD_FLAGS = ("model_path", "draft_model_path", "dtype", "device")  # one target: the same in every variant
@@ -92,10 +92,11 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=1, help="turns per question to answer (MT-Bench has 2)")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--common", default="", help="gen flags shared by all variants (e.g. '--dtype float32')")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     common = shlex.split(args.common) + ["--bench", args.bench]
     try:
         variants = parse_variants(args.variant, common)
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
             raise gen.UsageError(f"variants differ in {', '.join('--' + k.replace('_', '-') for k in loaded_once)}; "
                                  "the target is loaded once, so put those flags in --common and run one benchmark "
                                  "per target")
-        qfile = Path(args.question_file) if args.question_file else question_file(args.bench)
+        qfile = questions_path(args.question_file, args.bench)
         questions = read_questions(qfile, args.question_begin, args.question_end)
         if not questions:
             raise gen.UsageError(f"no questions in {qfile} between --question-begin and --question-end")
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
         del row["per_question_tok_s"]
     identical = {name: sum(a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
                            for a, b in zip(records[name], records[names[0]])) for name in names[1:]}
-    result = {"bench": args.bench, "questions": len(questions), "turns": args.turns, "threads": args.threads,
+    result = {"bench": args.bench, "questions": len(questions), "turns": args.turns, "threads": torch.get_num_threads(),
               "variants": {n: " ".join(shlex.quote(x) for x in args.variant[i].partition("=")[2:])
                            for i, n in enumerate(names)},
               "table": table, f"identical_to_{names[0]}": identical,
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{args.bench}: {len(questions)} questions x {args.turns} turn(s), {first.dtype}, "
-          f"{args.threads} threads")
+          f"{torch.get_num_threads()} threads")
     print(f"{'variant':24s}{'tokens':>8s}{'tok/s':>8s}{'speedup':>9s}{'med q':>7s}{'tau':>7s}{'exact tau':>10s}"
           f"{'tau/prev':>9s}{'tok/s/prev':>11s}{'agree':>7s}{'identical':>10s}")
     for name in names:

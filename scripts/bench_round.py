@@ -33,7 +33,7 @@ from eagle_dropmatch.acceptance import first_argmax  # noqa: E402
 from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
 from eagle_dropmatch.loading import LoadError, load, parse_dropout_p, parse_protect  # noqa: E402
-from eagle_dropmatch.resources import ResourceError, question_file, read_questions  # noqa: E402
+from eagle_dropmatch.resources import ResourceError, questions_path, read_questions  # noqa: E402
 
 SECTIONS = ("draft", "target", "lm_head", "dropmatch", "bookkeeping")  # per round; "prefill" is left out
 DROPMATCH_SECTIONS = ("lm_head", "dropmatch", "bookkeeping")  # where DropMatch adds work
@@ -154,10 +154,11 @@ def main(argv=None) -> int:
     p.add_argument("--protect", nargs="+", default=["0"],
                    help="protected dimensions or auto: one for all variants, or one per --dropout-p")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if len(args.protect) not in (1, len(args.dropout_p)):
         p.error("--protect takes one value, or one per --dropout-p")
     protects = args.protect * len(args.dropout_p) if len(args.protect) == 1 else args.protect
@@ -168,8 +169,7 @@ def main(argv=None) -> int:
             variants[f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"] = dict(
                 dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
         model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
-        source = Path(args.question_file) if args.question_file else question_file(args.bench)
-        questions = read_questions(source)[:args.questions]
+        questions = read_questions(questions_path(args.question_file, args.bench))[:args.questions]
     except (LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,6 @@
 """The scripts under scripts/ run end to end on tiny random models on the CPU: the device benchmark (a smoke
 check: its figures are not asserted, only that every section and DropMatch's cost are reported), the round
-breakdown, head_accuracy and the side-by-side method benchmark (with two heads); bad input is one error line.
-Scripts that set torch's thread count get --threads 1, the count conftest sets for the whole session."""
+breakdown, head_accuracy and the side-by-side method benchmark (with two heads); bad input is one error line."""
 
 import importlib.util
 import json
@@ -92,7 +91,7 @@ def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, c
     rc = module.main(["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
                       "--question-file", str(tiny_model_dir / "questions.jsonl"), "--questions", "2",
                       "--max-new-tokens", "12", "--dtype", "float32", "--dropout-p", "0.3", "0.001",
-                      "--protect", "0", "--json", "--threads", "1"])
+                      "--protect", "0", "--json"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     table = report["per_round_ms"]
@@ -106,13 +105,12 @@ def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, c
 
 def test_bench_round_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
     module = _script("bench_round")
-    common = ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
-              "--threads", "1"]
+    common = ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head")]
     assert module.main(common + ["--question-file", str(tmp_path / "missing.jsonl")]) == 2
     assert module.main(common + ["--question-file", str(tiny_model_dir / "questions.jsonl"),
                                  "--dropout-p", "1.5"]) == 2
     assert module.main(["--model-path", str(tmp_path / "nothing"), "--question-file",
-                        str(tiny_model_dir / "questions.jsonl"), "--threads", "1"]) == 2
+                        str(tiny_model_dir / "questions.jsonl")]) == 2
     err = capsys.readouterr().err
     assert sum(line.startswith("error: ") for line in err.splitlines()) == 3 and "Traceback" not in err, err
 
@@ -146,7 +144,6 @@ def test_bench_methods_compares_two_heads_side_by_side(tiny_model_dir, tmp_path,
               "--total-token 4 --depth 2 --top-k 2")
     rc = _script("bench_methods").main(
         ["--question-file", str(questions), "--out-dir", str(tmp_path / "bench"), "--common", common, "--json",
-         "--threads", "1",
          "--variant", "baseline=--baseline",
          *[f"--variant={name}=--ea-model-path {path}" for name, path in heads.items()]])
     assert rc == 0
@@ -163,14 +160,14 @@ def test_bench_methods_compares_two_heads_side_by_side(tiny_model_dir, tmp_path,
     # A head-less --baseline variant after a variant with an explicit head needs no head of its own.
     assert _script("bench_methods").main(
         ["--question-file", str(questions), "--question-end", "1", "--out-dir", str(tmp_path / "bench2"),
-         "--common", common, "--threads", "1", "--variant", f"other=--ea-model-path {other}",
+         "--common", common, "--variant", f"other=--ea-model-path {other}",
          "--variant", "baseline=--baseline"]) == 0
 
 
 def test_bench_methods_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
     module = _script("bench_methods")
     target, questions = str(tiny_model_dir / "target"), str(tiny_model_dir / "questions.jsonl")
-    base = ["--question-file", questions, "--out-dir", str(tmp_path / "out"), "--threads", "1"]
+    base = ["--question-file", questions, "--out-dir", str(tmp_path / "out")]
     assert module.main([*base, "--common", f"--model-path {target}", "--variant", "a=--baseline",
                         "--variant", "b=--baseline --dtype float32"]) == 2  # two targets
     assert module.main([*base, "--common", f"--model-path {target}", "--variant", "a=--top-k 0"]) == 2
