@@ -58,18 +58,24 @@ def lm_head_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 def compact_cache(cache, prefix_len: int, keep: torch.Tensor) -> None:
     """Keep the tree entries ``keep`` (node indices, ascending) right after the prefix; drop the rest.
 
+    Entries already in their slot are not moved: the root (node 0) always is, node 1 is when the path
+    starts with it, and a whole chain's path 0, 1, ..., m is. So a round that accepted nothing, or only
+    its best first-level token, only crops the cache.
+
     Args:
         cache: a transformers cache with ``layers[i].keys/values`` of shape [B, kv_heads, T, head_dim].
         prefix_len: committed entries before the tree.
         keep: [m] indices into the tree's N entries.
     """
-    slots = prefix_len + keep
-    new_len = prefix_len + keep.numel()
+    nodes = keep.tolist()
+    in_place = next((i for i, node in enumerate(nodes) if node != i), len(nodes))  # leading run 0, 1, ...
+    new_len = prefix_len + len(nodes)
+    moved = keep[in_place:] + prefix_len  # [m - in_place] source slots of the entries that move
     for layer in cache.layers:
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
-            kept = tensor.index_select(2, slots.to(tensor.device))
-            tensor[:, :, prefix_len:new_len] = kept
+            if in_place < len(nodes):
+                tensor[:, :, prefix_len + in_place:new_len] = tensor.index_select(2, moved.to(tensor.device))
             setattr(layer, name, tensor[:, :, :new_len])
 
 

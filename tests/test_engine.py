@@ -134,7 +134,8 @@ def test_round_timer_sections(target):
     assert all(v > 0 for v in timer.totals.values())
 
 
-def test_kv_compaction_matches_sequential_cache(target):
+@pytest.mark.parametrize("path", [[0, 2, 4, 5], [0, 1, 3], [0, 1], [0]])
+def test_kv_compaction_matches_sequential_cache(target, path):
     decoder = decoder_of(target)
     prompt = torch.arange(5, 17)[None]
     tree_tokens = torch.tensor([40, 41, 42, 43, 44, 45])
@@ -146,11 +147,11 @@ def test_kv_compaction_matches_sequential_cache(target):
     cache = DynamicCache(config=target.config)
     target_forward(decoder, prompt, torch.arange(12)[None], cache, None, None)
     target_forward(decoder, tree_tokens[None], (12 + depths)[None], cache, tree.attention_mask(12), None)
-    path = torch.tensor([0, 2, 4, 5])
+    path = torch.tensor(path)
     compact_cache(cache, 12, path)
-    assert cache.get_seq_length() == 16
+    assert cache.get_seq_length() == 12 + len(path)
     sequential = DynamicCache(config=target.config)
-    target_forward(decoder, torch.cat([prompt[0], tree_tokens[path]])[None], torch.arange(16)[None],
+    target_forward(decoder, torch.cat([prompt[0], tree_tokens[path]])[None], torch.arange(12 + len(path))[None],
                    sequential, None, None)
     for mine, ref in zip(cache.layers, sequential.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
