@@ -137,6 +137,17 @@ def write_json(path: str, obj: dict) -> None:
         raise EvalError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
+def emit(result: dict, args: Any, text: Callable[[dict], str]) -> None:
+    """Report a command's result: write it to ``args.output`` when given, then print one JSON object with
+    ``args.json``, else ``text(result)``."""
+    if getattr(args, "output", None):
+        write_json(args.output, result)
+    if args.json:
+        print_json(result)
+    else:
+        print(text(result))
+
+
 def fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
     """Format a number for a table cell; None or NaN becomes ``-``."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):

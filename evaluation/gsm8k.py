@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 from .answers import load_answers
-from .common import EvalError, OneLineParser, print_json, run_cli, warn, write_json
+from .common import EvalError, OneLineParser, emit, run_cli, warn
 from .questions import load_questions
 
 _NUM = r"(?:(?<![\w.])-)?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
@@ -111,12 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = args.bench or (None if args.question_file else "gsm8k")
     questions = load_questions(args.question_file, bench, args.data_dir)
     res = gsm8k_accuracy(args.answer_file, questions)
-    if args.output:
-        write_json(args.output, res)
-    if args.json:
-        print_json(res)
-    else:
-        print(f"{res['label']}: GSM8K accuracy {res['accuracy']:.4f} ({res['correct']}/{res['n']})")
+    emit(res, args, lambda r: f"{r['label']}: GSM8K accuracy {r['accuracy']:.4f} ({r['correct']}/{r['n']})")
     return 0
 
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 from .answers import AnswerFile, load_answers
-from .common import EvalError, OneLineParser, fmt, print_json, run_cli, warn, write_json
+from .common import EvalError, OneLineParser, emit, fmt, run_cli, warn
 from .judge_client import JudgeClient, JudgmentCache, RetryPolicy, default_cache_dir, run_calls
 from .judge_tasks import JudgeCall, pair_call, single_call
 from .questions import load_judge_prompts, load_questions, load_reference_answers
@@ -250,12 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mode == "pairwise" and args.bootstrap < 1:
         raise EvalError("--bootstrap must be >= 1")
     res = judge_single(args) if args.mode == "single" else judge_pairwise(args)
-    if args.output:
-        write_json(args.output, res)
-    if args.json:
-        print_json(res)
-    else:
-        print(render_text(res))
+    emit(res, args, render_text)
     return 0
 
 

@@ -21,7 +21,7 @@ import sys
 from typing import Sequence
 
 from .answers import AnswerFile, load_answers
-from .common import EvalError, OneLineParser, fmt, print_json, run_cli, warn, write_json
+from .common import EvalError, OneLineParser, emit, fmt, run_cli, warn
 from .questions import load_questions
 from .speed import same_answer
 from .stats import mean, ratio
@@ -106,6 +106,14 @@ def quality_report(answer_file: str, reference_file: str, questions: dict | None
     return out
 
 
+def render_text(res: dict) -> str:
+    """One line: exact match, log-likelihood per token against the reference's, SBERT cosine."""
+    return (f"{res['label']} vs {res['reference_model_id']} (n={res['n']} turns): exact match "
+            f"{fmt(res['exact_match_rate'], 3)}, loglik/token {fmt(res['loglik_per_token'], 4)} vs "
+            f"{fmt(res['loglik_per_token_reference'], 4)} (rel. diff {fmt(res['loglik_rel_diff'], 4)}), "
+            f"SBERT cosine {fmt(res['sbert_cosine'], 4)}")
+
+
 def build_parser() -> OneLineParser:
     """The argument parser of ``python -m evaluation.quality``."""
     p = OneLineParser(prog="python -m evaluation.quality", description=__doc__.split("\n\n")[0])
@@ -144,15 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         questions = load_questions(args.question_file, bench, args.data_dir)
     res = quality_report(args.answer_file, args.reference_file, questions, args.model_path,
                          loglik=not args.no_loglik, sbert=args.sbert, sbert_path=args.sbert_model)
-    if args.output:
-        write_json(args.output, res)
-    if args.json:
-        print_json(res)
-    else:
-        print(f"{res['label']} vs {res['reference_model_id']} (n={res['n']} turns): exact match "
-              f"{fmt(res['exact_match_rate'], 3)}, loglik/token {fmt(res['loglik_per_token'], 4)} vs "
-              f"{fmt(res['loglik_per_token_reference'], 4)} (rel. diff {fmt(res['loglik_rel_diff'], 4)}), "
-              f"SBERT cosine {fmt(res['sbert_cosine'], 4)}")
+    emit(res, args, render_text)
     return 0
 
 

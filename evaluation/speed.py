@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 from .answers import AnswerFile, Turn, load_answers
-from .common import EvalError, OneLineParser, fmt, print_json, run_cli, warn, write_json
+from .common import EvalError, OneLineParser, emit, fmt, run_cli, warn
 from .questions import load_questions
 from .stats import mean, ratio, std
 
@@ -282,12 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     questions = load_questions(args.question_file, args.bench, args.data_dir)
     report = speed_report(args.answer_file, args.baseline_file, questions)
-    if args.output:
-        write_json(args.output, report)
-    if args.json:
-        print_json(report)
-    else:
-        print(render_text(report))
+    emit(report, args, render_text)
     return 0
 
 
