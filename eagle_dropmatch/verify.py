@@ -59,22 +59,22 @@ def compact_cache(cache, prefix_len: int, keep: torch.Tensor) -> None:
     """Keep the tree entries ``keep`` (node indices, ascending) right after the prefix; drop the rest.
 
     Entries already in their slot are not moved: the root (node 0) always is, node 1 is when the path
-    starts with it, and a whole chain's path 0, 1, ..., m is. So a round that accepted nothing, or only
-    its best first-level token, only crops the cache.
+    starts with it, and a whole chain's path 0, 1, 2, ... is. So a round that accepted nothing, or only
+    its best first-level token, only crops the cache. (One host read: the length of that leading run.)
 
     Args:
         cache: a transformers cache with ``layers[i].keys/values`` of shape [B, kv_heads, T, head_dim].
         prefix_len: committed entries before the tree.
         keep: [m] indices into the tree's N entries.
     """
-    nodes = keep.tolist()
-    in_place = next((i for i, node in enumerate(nodes) if node != i), len(nodes))  # leading run 0, 1, ...
-    new_len = prefix_len + len(nodes)
+    m = keep.numel()
+    in_place = int((keep == torch.arange(m, device=keep.device)).cumprod(0).sum())  # leading 0, 1, ...
+    new_len = prefix_len + m
     moved = keep[in_place:] + prefix_len  # [m - in_place] source slots of the entries that move
     for layer in cache.layers:
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
-            if in_place < len(nodes):
+            if in_place < m:
                 tensor[:, :, prefix_len + in_place:new_len] = tensor.index_select(2, moved.to(tensor.device))
             setattr(layer, name, tensor[:, :, :new_len])
 
