@@ -140,7 +140,7 @@ def write_json(path: str, obj: dict) -> None:
 def emit(result: dict, args: Any, text: Callable[[dict], str]) -> None:
     """Report a command's result: write it to ``args.output`` when given, then print one JSON object with
     ``args.json``, else ``text(result)``."""
-    if getattr(args, "output", None):
+    if args.output:
         write_json(args.output, result)
     if args.json:
         print_json(result)
