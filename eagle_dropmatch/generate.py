@@ -309,16 +309,18 @@ class SpeculativeDecoder:
                     counted[path] = tree.has_children[path]  # verified nodes whose sets decided something
                     agreement += agreement_counts(tokens, target_view.sample_tokens, counted)
                 new_tokens = torch.cat([tree.tokens[path[1:]], tokens[path[-1:]]])  # [m + 1]
-                if dm.lossy:  # what exact matching would have committed, fetched with the tokens at once
-                    exact_len = accepted_length(tree.tokens, tree.parents, tree.depths, tree.ancestors,
-                                                accept_sets[:, :1])
-                    *committed, exact_len = torch.cat([new_tokens, exact_len[None]]).tolist()
-                else:
-                    committed, exact_len = new_tokens.tolist(), len(path)
+                fetched = [new_tokens, path]
+                if dm.lossy:  # what exact matching would have committed
+                    fetched.append(accepted_length(tree.tokens, tree.parents, tree.depths, tree.ancestors,
+                                                   accept_sets[:, :1])[None])
+                host = torch.cat(fetched).tolist()  # tokens, path and exact length in one host read
+                n_path = len(path)
+                committed, path_nodes = host[:n_path], host[n_path:2 * n_path]
+                exact_len = host[-1] if dm.lossy else n_path
                 done = self._commit(result, committed, exact_len, cfg)
                 # 4. Commit: keep the accepted entries in the target cache; the bonus is the next root.
-                compact_cache(cache, prefix, path)
-                prefix += len(path)
+                compact_cache(cache, prefix, path, path_nodes)
+                prefix += n_path
             if not done:
                 with timer.section("draft"):
                     drafter.commit(None if features is None else features[path], new_tokens)

@@ -55,7 +55,7 @@ def lm_head_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return lm_head(hidden)
 
 
-def compact_cache(cache, prefix_len: int, keep: torch.Tensor) -> None:
+def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[int] | None = None) -> None:
     """Keep the tree entries ``keep`` (node indices, ascending) right after the prefix; drop the rest.
 
     Entries already in their slot are not moved: the root (node 0) always is, node 1 is when the path
@@ -67,8 +67,10 @@ def compact_cache(cache, prefix_len: int, keep: torch.Tensor) -> None:
         cache: a transformers cache with ``layers[i].keys/values`` of shape [B, kv_heads, T, head_dim].
         prefix_len: committed entries before the tree.
         keep: [m] indices into the tree's N entries.
+        keep_host: ``keep.tolist()`` when the caller has already read it (the decoding loop reads it with
+            the round's tokens), so that compaction adds no host read of its own.
     """
-    nodes = keep.tolist()  # the m accepted indices, read once (as the loop reads the committed tokens)
+    nodes = keep.tolist() if keep_host is None else keep_host
     m = len(nodes)
     in_place = next((i for i, node in enumerate(nodes) if node != i), m)  # length of the leading 0, 1, ...
     new_len = prefix_len + m
