@@ -346,11 +346,26 @@ def shuffled_by_shard(n: int, shard_size: int, seed: int) -> list[int]:
     return order
 
 
+def held_out_indices(n: int, holdout: int, seed: int) -> list[int]:
+    """A seeded random sample of ``holdout`` of n example indices, kept out of training for the final acc_k.
+
+    Not the last examples: ``generate_examples`` stores them in order of prompt length, so the tail is the
+    longest prompts (pasted text and code that answers copy from), which flatters the head. Empty when
+    n <= 2 * holdout (too few examples to spare any).
+    """
+    if holdout < 1 or n <= 2 * holdout:
+        return []
+    return sorted(random.Random(seed).sample(range(n), holdout))
+
+
 def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, epochs: int, lr: float,
                steps: int, batch_tokens: int, seed: int, checkpoint_every: int, shard_size: int,
                max_seq: int, max_updates: int | None = None, autocast: bool = True, log=print,
-               run_settings: dict | None = None) -> dict:
+               run_settings: dict | None = None, exclude: frozenset[int] = frozenset()) -> dict:
     """AdamW (0.9, 0.95), grad clip 0.5, cosine schedule, bf16 autocast; checkpoints and resumes.
+
+    ``examples[i]`` pairs with row ``i % shard_size`` of feature shard ``i // shard_size``; the indices in
+    ``exclude`` (the held-out examples) are never trained on.
 
     A checkpoint is written every ``checkpoint_every`` optimizer updates, at the end of every epoch and when
     ``max_updates`` stops the run early; rerunning continues from it exactly (same data order, same
@@ -376,7 +391,8 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
     t2d = head.t2d.clone()
     shards = sorted(work.glob("features_*.pt"))
     n = len(examples)
-    total_updates = max(1, epochs * sum(len(e["input_ids"]) for e in examples) // batch_tokens)
+    total_updates = max(1, epochs * sum(len(e["input_ids"]) for i, e in enumerate(examples) if i not in exclude)
+                        // batch_tokens)
     history = []
     head.train()
 
@@ -392,6 +408,9 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
         opt.zero_grad()
         for pos in range(state["index"], n):
             i = order[pos]
+            if i in exclude:
+                bar.update(1)
+                continue
             if i // shard_size != cached_shard:
                 cached_shard, cached = i // shard_size, torch.load(shards[i // shard_size], weights_only=True)
             feat = cached[i % shard_size]
@@ -570,7 +589,9 @@ def run(args: argparse.Namespace) -> int:
 
     feature_target = target  # features in the serving dtype: the head sees the same at inference
     compute_features(feature_target, examples, aux, work, args.shard_size)
-    train_examples = examples[:-args.holdout] if len(examples) > 2 * args.holdout else examples
+    held = held_out_indices(len(examples), args.holdout, args.seed)
+    excluded = frozenset(held)
+    train_examples = [e for i, e in enumerate(examples) if i not in excluded]
     if init_head is not None:
         head = init_head
         coverage = vocab_coverage(train_examples, head.t2d)
@@ -579,11 +600,12 @@ def run(args: argparse.Namespace) -> int:
         head = init_head_for_target(feature_target, draft_ids, aux, args.seed, args.intermediate_size)
     print(f"draft vocab: {args.draft_vocab_size} tokens cover {coverage:.1%} of training assistant tokens",
           file=sys.stderr)
-    result = train_head(head, feature_target, train_examples, work, epochs=args.epochs, lr=args.lr,
+    result = train_head(head, feature_target, examples, work, epochs=args.epochs, lr=args.lr,
                         steps=args.ttt_steps, batch_tokens=args.batch_tokens, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, shard_size=args.shard_size,
                         max_seq=args.max_seq, max_updates=args.max_updates,
-                        log=lambda m: print(m, file=sys.stderr), run_settings={**settings, "aux": list(aux)})
+                        log=lambda m: print(m, file=sys.stderr), exclude=excluded,
+                        run_settings={**settings, "aux": list(aux), "heldout": held})
     if result["stopped"]:
         print(f"stopped after {args.max_updates} updates; rerun the same command to continue", file=sys.stderr)
         return 0
@@ -593,18 +615,20 @@ def run(args: argparse.Namespace) -> int:
     first = result["history"][0]["epoch"] if result["history"] else 1
     if record is not None and first > 1:  # resumed (e.g. more --epochs): keep the epochs trained before
         result["history"] = [h for h in record.get("history", []) if h["epoch"] < first] + result["history"]
-    held = examples[len(train_examples):]
     held_acc = []
     if held:
-        rows = []
         shards = sorted(work.glob("features_*.pt"))
-        for j in range(len(train_examples), len(examples)):
-            rows.append(torch.load(shards[j // args.shard_size], weights_only=True)[j % args.shard_size])
-        held_acc = evaluate_head(head, feature_target, held, rows, args.ttt_steps)
+        rows = {}  # one shard in memory at a time
+        for shard in sorted({j // args.shard_size for j in held}):
+            loaded = torch.load(shards[shard], weights_only=True)
+            rows.update({j: loaded[j % args.shard_size] for j in held if j // args.shard_size == shard})
+        rows = [rows[j] for j in held]
+        held_acc = evaluate_head(head, feature_target, [examples[j] for j in held], rows, args.ttt_steps)
         print("held-out " + " ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(held_acc)), file=sys.stderr)
     save_head(head.to(torch.float32), out)
     summary = {"settings": settings, "examples": len(examples), "assistant_tokens": response_tokens,
                "draft_vocab_coverage": round(coverage, 4), "heldout_acc": [round(a, 4) for a in held_acc],
+               "heldout_examples": held,
                "wall_time_s": round(time.time() - started, 1), **result}
     (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"head written to {out}", file=sys.stderr)

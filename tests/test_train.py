@@ -90,6 +90,33 @@ def _train(target, examples, work, **kwargs):
     return head, train.train_head(head, target, examples, work, **options)
 
 
+def test_held_out_examples_are_a_seeded_random_sample():
+    held = train.held_out_indices(1000, 32, seed=0)
+    assert held == train.held_out_indices(1000, 32, seed=0) and held != train.held_out_indices(1000, 32, seed=1)
+    assert len(set(held)) == 32 and held == sorted(held) and 0 <= held[0] and held[-1] < 1000
+    assert held != list(range(968, 1000))  # not the tail (the longest prompts: examples are sorted by length)
+    assert sum(i < 500 for i in held) >= 8  # spread over the set
+    assert train.held_out_indices(64, 32, seed=0) == [] and train.held_out_indices(100, 0, seed=0) == []
+
+
+def test_training_skips_the_excluded_examples(tiny, tmp_path, monkeypatch):
+    target, tokenizer = tiny
+    examples = examples_for(target, tokenizer, tmp_path, [f"Question {i}?" for i in range(16)])
+    seen = []
+    real_loss = train.ttt_loss
+
+    def recording_loss(head, features, input_ids, *args):
+        seen.append(tuple(input_ids.tolist()))
+        return real_loss(head, features, input_ids, *args)
+
+    monkeypatch.setattr(train, "ttt_loss", recording_loss)
+    excluded = frozenset({1, 6, 11})
+    _train(target, examples, tmp_path, epochs=2, exclude=excluded)
+    key = [tuple(e["input_ids"].long().tolist()) for e in examples]
+    assert len(seen) == 2 * (len(examples) - len(excluded))
+    assert set(seen) == {key[i] for i in range(len(examples)) if i not in excluded}
+
+
 def test_training_lowers_the_loss_and_the_head_serves_exactly(tiny, tmp_path):
     _, tokenizer = tiny
     target = tiny_target(seed=3, vocab=tokenizer.vocab_size + 4)
@@ -182,6 +209,7 @@ def test_cli_trains_a_head_and_continues_from_it(tiny_model_dir, tmp_path, capsy
     assert _cli(tiny_model_dir, tmp_path, first_dir, "--epochs", "1", "--draft-vocab-size", "30") == 0
     record = (first_dir / "training.json").read_text()
     assert json.loads(record)["examples"] == 10 and len(json.loads(record)["heldout_acc"]) == 3
+    assert json.loads(record)["heldout_examples"] == train.held_out_indices(10, 2, seed=0)
     # The same command again trains nothing and keeps the record; more epochs continue it.
     assert _cli(tiny_model_dir, tmp_path, first_dir, "--epochs", "1", "--draft-vocab-size", "30") == 0
     assert (first_dir / "training.json").read_text() == record
