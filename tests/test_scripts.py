@@ -180,3 +180,27 @@ def test_bench_methods_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert sum(line.startswith("error: ") for line in err.splitlines()) == 5 and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()  # nothing written before the input was checked
+
+
+def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_path, capsys):
+    """The sweep answers both benches (GSM8K at its own length) and scores every row against lossless
+    EAGLE-3, plain decoding included (the measures' noise floor); no setting here is called faithful
+    unless it passes the bars."""
+    out = tmp_path / "sweep"
+    rc = _script("sweep_dropmatch").main(
+        ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
+         "--questions", "1", "--max-new-tokens", "6", "--gsm8k-max-new-tokens", "9", "--no-sbert",
+         "--out-dir", str(out), "--variant", "K5 p0.3=--dropmatch-k 5 --dropout-p 0.3"])
+    assert rc == 0
+    result = json.loads((out / "sweep.json").read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"baseline", "eagle3", "K5 p0.3"}
+    assert rows["eagle3"]["exact_match_rate"] == 1.0 and rows["eagle3"]["loglik_rel_diff"] == 0.0
+    assert rows["baseline"]["exact_match_rate"] is not None and rows["baseline"]["loglik_rel_diff"] is not None
+    assert rows["K5 p0.3"]["tau"] >= rows["K5 p0.3"]["exact_tau"]
+    meta = json.loads((out / "gsm8k" / "eagle3.jsonl.meta.json").read_text())
+    assert meta["max_new_tokens"] == 9 and result["gsm8k_max_new_tokens"] == 9
+    assert json.loads((out / "mt_bench" / "eagle3.jsonl.meta.json").read_text())["max_new_tokens"] == 6
+    for name in result["faithful"]:
+        assert abs(rows[name]["loglik_rel_diff"]) <= 0.02
+    assert "noise floor" in (out / "sweep.md").read_text()
