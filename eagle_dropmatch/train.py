@@ -15,6 +15,7 @@ Phases, each resumable from ``--work-dir`` (rerun the same command after an inte
 4. features: the target's low/mid/high features and final hidden states, cached in bf16 shards.
 5. training-time test: ``--ttt-steps`` steps with weights 0.8^k, soft cross-entropy against the target's
    distribution restricted to the draft vocabulary, computed per batch from the cached final hidden states.
+   A seeded random sample of ``--holdout`` examples is kept out and scored at the end (teacher-forced acc_k).
 
 The head is written in the official EAGLE-3 checkpoint format.
 """
@@ -495,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ttt-steps", type=int, default=3)
     a("--batch-tokens", type=int, default=4096)
     a("--max-seq", type=int, default=1024)
-    a("--holdout", type=int, default=32, help="examples held out for the final acc_k")
+    a("--holdout", type=int, default=32, help="examples held out for the final acc_k (a seeded random sample)")
     a("--shard-size", type=int, default=256)
     a("--checkpoint-every", type=int, default=50, help="optimizer updates between checkpoints")
     a("--max-updates", type=int, help="stop (with a checkpoint) after this many optimizer updates")
@@ -618,12 +619,12 @@ def run(args: argparse.Namespace) -> int:
     held_acc = []
     if held:
         shards = sorted(work.glob("features_*.pt"))
-        rows = {}  # one shard in memory at a time
+        held_features = {}  # example index -> its feature row; one shard in memory at a time
         for shard in sorted({j // args.shard_size for j in held}):
             loaded = torch.load(shards[shard], weights_only=True)
-            rows.update({j: loaded[j % args.shard_size] for j in held if j // args.shard_size == shard})
-        rows = [rows[j] for j in held]
-        held_acc = evaluate_head(head, feature_target, [examples[j] for j in held], rows, args.ttt_steps)
+            held_features.update({j: loaded[j % args.shard_size] for j in held if j // args.shard_size == shard})
+        held_acc = evaluate_head(head, feature_target, [examples[j] for j in held],
+                                 [held_features[j] for j in held], args.ttt_steps)
         print("held-out " + " ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(held_acc)), file=sys.stderr)
     save_head(head.to(torch.float32), out)
     summary = {"settings": settings, "examples": len(examples), "assistant_tokens": response_tokens,
