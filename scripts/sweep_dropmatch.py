@@ -48,10 +48,11 @@ def main(argv=None) -> int:
                    help="GSM8K answer length (default: --max-new-tokens; a small target needs ~256 to finish)")
     p.add_argument("--variant", action="append", help="NAME=GEN_FLAGS (default: the built-in grid)")
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--dtype", default="bfloat16", help="float32 has no noise floor: lossless decoders agree exactly")
     p.add_argument("--no-sbert", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out_dir)
-    models = ""
+    models = f" --dtype {args.dtype}"
     if args.ea_model_path:
         models += f" --ea-model-path {args.ea_model_path}"
     if args.model_path:

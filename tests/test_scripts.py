@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -184,13 +186,13 @@ def test_bench_methods_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
 
 def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_path, capsys):
     """The sweep answers both benches (GSM8K at its own length) and scores every row against lossless
-    EAGLE-3, plain decoding included (the measures' noise floor); no setting here is called faithful
-    unless it passes the bars."""
+    EAGLE-3, plain decoding included (the measures' noise floor, nil in fp32); no setting here is called
+    faithful unless it passes the bars."""
     out = tmp_path / "sweep"
     rc = _script("sweep_dropmatch").main(
         ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
          "--questions", "1", "--max-new-tokens", "6", "--gsm8k-max-new-tokens", "9", "--no-sbert",
-         "--out-dir", str(out), "--variant", "K5 p0.3=--dropmatch-k 5 --dropout-p 0.3"])
+         "--dtype", "float32", "--out-dir", str(out), "--variant", "K5 p0.3=--dropmatch-k 5 --dropout-p 0.3"])
     assert rc == 0
     result = json.loads((out / "sweep.json").read_text())
     rows = {r["name"]: r for r in result["rows"]}
@@ -199,8 +201,38 @@ def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_p
     assert rows["baseline"]["exact_match_rate"] is not None and rows["baseline"]["loglik_rel_diff"] is not None
     assert rows["K5 p0.3"]["tau"] >= rows["K5 p0.3"]["exact_tau"]
     meta = json.loads((out / "gsm8k" / "eagle3.jsonl.meta.json").read_text())
-    assert meta["max_new_tokens"] == 9 and result["gsm8k_max_new_tokens"] == 9
+    assert meta["max_new_tokens"] == 9 and result["gsm8k_max_new_tokens"] == 9 and meta["dtype"] == "float32"
+    assert rows["baseline"]["exact_match_rate"] == 1.0  # in fp32 the two lossless decoders agree exactly
     assert json.loads((out / "mt_bench" / "eagle3.jsonl.meta.json").read_text())["max_new_tokens"] == 6
     for name in result["faithful"]:
         assert abs(rows[name]["loglik_rel_diff"]) <= 0.02
     assert "noise floor" in (out / "sweep.md").read_text()
+
+
+def test_dropmatch_shortlist_bound_holds_its_invariants(tiny_model_dir, capsys):
+    """A sample whose argmax is a child is never skippable, and a longer shortlist never skips fewer rows
+    (a non-child that beats every child keeps doing so); watching the rounds changes no decision and the
+    engine's functions are restored afterwards."""
+    import eagle_dropmatch.generate as engine
+    from eagle_dropmatch.loading import load
+    module = _script("dropmatch_shortlist")
+    model = load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32", progress=False)
+    prompts = [model.chat_ids([{"role": "user", "content": text}]) for text in ("Say something.", "Count on.")]
+    settings = dict(max_new_tokens=12, dropmatch_k=5, dropout_p=0.3)
+    unwatched = [model.generate(ids, **settings).token_ids for ids in prompts]
+    originals = (engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path)
+    seen = []
+    with module.watch_rounds(lambda *round_: seen.append(round_)):
+        watched = [model.generate(ids, **settings).token_ids for ids in prompts]
+    assert watched == unwatched and seen
+    assert (engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path) == originals
+    result = module.measure(model, prompts, [1, 4, 16, 96], **settings)
+    assert result["rows"] > 0 and result["argmax_is_other_child"] <= result["argmax_is_child"]
+    spared = [result["spared"][m] for m in (1, 4, 16, 96)]
+    assert spared == sorted(spared)
+    assert spared[-1] <= 1 - result["argmax_is_child"] + 1e-9
+    whole = module.measure(model, prompts, [model.target.config.vocab_size], **settings)  # S = every token
+    assert whole["spared"][model.target.config.vocab_size] == pytest.approx(1 - whole["argmax_is_child"])
+    capsys.readouterr()
+    assert module.main(["--model-path", str(tiny_model_dir / "target"), "--dropout-p", "1.5"]) == 2
+    assert capsys.readouterr().err == "error: dropout-p must be in [0, 1), got 1.5\n"
