@@ -28,12 +28,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # script_args, when not run as a script
 
 from eagle_dropmatch.acceptance import first_argmax  # noqa: E402
 from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
-from eagle_dropmatch.loading import LoadError, load, parse_dropout_p, parse_protect  # noqa: E402
-from eagle_dropmatch.resources import ResourceError, questions_path, read_questions  # noqa: E402
+from eagle_dropmatch.loading import LoadError, parse_dropout_p, parse_protect  # noqa: E402
+from eagle_dropmatch.resources import ResourceError  # noqa: E402
+from script_args import add_model_and_question_args, load_model_and_questions  # noqa: E402
 
 SECTIONS = ("draft", "target", "lm_head", "dropmatch", "bookkeeping")  # per round; "prefill" is left out
 DROPMATCH_SECTIONS = ("lm_head", "dropmatch", "bookkeeping")  # where DropMatch adds work
@@ -140,12 +142,7 @@ def print_report(table: dict, costs: dict, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-path")
-    p.add_argument("--ea-model-path")
-    p.add_argument("--bench", default="mt_bench")
-    p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
-    p.add_argument("--questions", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_model_and_question_args(p, questions=8, max_new_tokens=128)
     p.add_argument("--total-token", type=int, default=8)
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--top-k", type=int, default=2)
@@ -168,8 +165,7 @@ def main(argv=None) -> int:
             parse_dropout_p(dropout_p), parse_protect(protect)  # bad values: one line before loading
             variants[f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"] = dict(
                 dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
-        model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
-        questions = read_questions(questions_path(args.question_file, args.bench))[:args.questions]
+        model, questions = load_model_and_questions(args)
     except (LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # script_args, when not run as a script
 
 import eagle_dropmatch.generate as engine  # noqa: E402
-from eagle_dropmatch.loading import LoadError, load, parse_dropout_p  # noqa: E402
-from eagle_dropmatch.resources import ResourceError, questions_path, read_questions  # noqa: E402
+from eagle_dropmatch.loading import LoadError, parse_dropout_p  # noqa: E402
+from eagle_dropmatch.resources import ResourceError  # noqa: E402
+from script_args import add_model_and_question_args, load_model_and_questions  # noqa: E402
 
 
 def spared_by_shortlist(sample_logits: torch.Tensor, sample_nodes: torch.Tensor, logits: torch.Tensor,
@@ -109,12 +111,7 @@ def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generat
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model-path")
-    p.add_argument("--ea-model-path")
-    p.add_argument("--bench", default="mt_bench")
-    p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
-    p.add_argument("--questions", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_model_and_question_args(p, questions=16, max_new_tokens=64)
     p.add_argument("--dropmatch-k", type=int, default=5)
     p.add_argument("--dropout-p", default="0.3")
     p.add_argument("--shortlist", type=int, nargs="+", default=[1, 4, 8, 32], help="sizes M of the undropped top-M")
@@ -123,8 +120,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         parse_dropout_p(args.dropout_p)
-        model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
-        questions = read_questions(questions_path(args.question_file, args.bench))[:args.questions]
+        model, questions = load_model_and_questions(args)
     except (LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

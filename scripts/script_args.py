@@ -1,0 +1,29 @@
+"""Flags and loading shared by the benchmark scripts that run the engine on a bench's first turns."""
+
+from __future__ import annotations
+
+import argparse
+
+from eagle_dropmatch.loading import load
+from eagle_dropmatch.resources import questions_path, read_questions
+
+
+def add_model_and_question_args(p: argparse.ArgumentParser, questions: int, max_new_tokens: int) -> None:
+    """--model-path, --ea-model-path (default: the embedded default and its head), --bench, --question-file,
+    --questions (how many, from the first) and --max-new-tokens."""
+    p.add_argument("--model-path")
+    p.add_argument("--ea-model-path")
+    p.add_argument("--bench", default="mt_bench")
+    p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
+    p.add_argument("--questions", type=int, default=questions)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
+def load_model_and_questions(args: argparse.Namespace):
+    """The target with its head (``args.dtype``) and the first ``args.questions`` questions.
+
+    Raises:
+        LoadError, ResourceError: one clear sentence, for the caller to print.
+    """
+    model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
+    return model, read_questions(questions_path(args.question_file, args.bench))[:args.questions]
