@@ -35,23 +35,26 @@ from eagle_dropmatch.resources import ResourceError  # noqa: E402
 from script_args import add_model_and_question_args, load_model_and_questions  # noqa: E402
 
 
+def child_mask(tokens: torch.Tensor, parents: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [N, V]: [j, t] when token t is a child of node j in the tree (tokens [N], parents [N])."""
+    mask = torch.zeros(len(tokens), vocab, dtype=torch.bool, device=tokens.device)
+    mask[parents[1:], tokens[1:]] = True
+    return mask
+
+
 def spared_by_shortlist(sample_logits: torch.Tensor, sample_nodes: torch.Tensor, logits: torch.Tensor,
-                        tokens: torch.Tensor, parents: torch.Tensor, m: int) -> torch.Tensor:
+                        children: torch.Tensor, m: int) -> torch.Tensor:
     """bool [P]: samples whose best token within {children} U {undropped top-m} is not a child of their node.
 
     Args:
         sample_logits: [P, V] the computed samples' logits; sample_nodes: [P] their nodes.
-        logits: [N, V] undropped logits; tokens: [N] tree tokens; parents: [N] parent indices.
+        logits: [N, V] undropped logits; children: [N, V] ``child_mask`` of the tree.
         m: shortlist size taken from the undropped logits.
     """
-    spared = torch.zeros(len(sample_nodes), dtype=torch.bool)
-    top = logits.topk(min(m, logits.shape[-1]), dim=-1).indices  # [N, m]
-    for row, node in enumerate(sample_nodes.tolist()):
-        children = tokens[parents == node]
-        shortlist = torch.cat([children, top[node]])
-        best = shortlist[sample_logits[row, shortlist].float().argmax()]
-        spared[row] = not bool((children == best).any())
-    return spared
+    top = logits.topk(min(m, logits.shape[-1]), dim=-1).indices[sample_nodes]  # [P, m]
+    shortlist = children[sample_nodes].scatter(1, top, True)  # [P, V]
+    best = sample_logits.float().masked_fill(~shortlist, float("-inf")).argmax(-1)  # [P]
+    return ~children[sample_nodes].gather(1, best[:, None])[:, 0]
 
 
 @contextlib.contextmanager
@@ -90,15 +93,14 @@ def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generat
     def on_round(logits, sample_logits, samples, tokens, parents):
         if sample_logits is None or not len(samples.node):
             return
-        full = sample_logits.float().argmax(-1)  # [P]
-        undropped = logits.float().argmax(-1)  # [N]
+        children = child_mask(tokens, parents, logits.shape[-1])  # [N, V]
+        full = sample_logits.float().argmax(-1)  # [P] each sample's token
+        is_child = children[samples.node, full]  # [P]
         counts["rows"] += len(samples.node)
-        for node, token in zip(samples.node.tolist(), full.tolist()):
-            is_child = bool((tokens[parents == node] == token).any())
-            counts["argmax_is_child"] += is_child
-            counts["argmax_is_other_child"] += is_child and token != int(undropped[node])
+        counts["argmax_is_child"] += int(is_child.sum())
+        counts["argmax_is_other_child"] += int((is_child & (full != logits.float().argmax(-1)[samples.node])).sum())
         for m in shortlists:
-            counts[m] += int(spared_by_shortlist(sample_logits, samples.node, logits, tokens, parents, m).sum())
+            counts[m] += int(spared_by_shortlist(sample_logits, samples.node, logits, children, m).sum())
 
     with watch_rounds(on_round):
         for ids in prompts:
