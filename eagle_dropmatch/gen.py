@@ -23,7 +23,7 @@ from pathlib import Path
 #: settings that must match for a resumed run to continue an answer file.
 RUN_KEYS = ("method", "model_path", "ea_model_path", "draft_model_path", "dtype", "total_token", "depth",
             "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
-            "dropmatch_protect", "dropmatch_rule", "seed", "max_new_tokens",
+            "dropmatch_protect", "dropmatch_rule", "dropmatch_shortlist", "seed", "max_new_tokens",
             "conv_template", "system_prompt", "rule_top_k")
 
 
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="lossy acceptance: match (any sample's token), js (Algorithm 1; chains: --draft-model-path or "
       "--top-k 1), topk (the target's top --rule-top-k tokens; needs no samples, on even with K 0)")
     a("--rule-top-k", type=int, default=2, help="k of --dropmatch-rule topk")
+    a("--dropmatch-shortlist", type=int, default=0, metavar="M",
+      help="score DropMatch's samples over each node's M best undropped tokens and the draft tokens instead "
+           "of the whole vocabulary (match rule, temperature 0; 0 = whole vocabulary)")
     a("--seed", type=int, default=0)
     a("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     a("--device", default="cpu", help="cpu, cuda, cuda:N or auto (accelerate device_map)")
@@ -90,7 +93,8 @@ def check_args(args: argparse.Namespace) -> None:
         make_decode_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
                            dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
-                           dropmatch_rule=args.dropmatch_rule, rule_top_k=args.rule_top_k)
+                           dropmatch_rule=args.dropmatch_rule, rule_top_k=args.rule_top_k,
+                           dropmatch_shortlist=args.dropmatch_shortlist)
     except LoadError as exc:
         raise UsageError(str(exc)) from None
     if args.warmup < 0:
@@ -117,6 +121,8 @@ def default_model_id(args: argparse.Namespace) -> str:
             tag += f"-protect{args.dropmatch_protect}"
         if args.dropmatch_rule != "match":
             tag += f"-{args.dropmatch_rule}"
+        if args.dropmatch_shortlist > 0:
+            tag += f"-sl{args.dropmatch_shortlist}"
     if args.temperature > 0:
         tag += f"-t{args.temperature}"
     return f"{tag}-{args.dtype}"
@@ -144,6 +150,7 @@ def run_settings(args: argparse.Namespace, model_id: str) -> dict:
         "sample_top_k": args.sample_top_k, "dropmatch_k": args.dropmatch_k, "dropout_p": _number_or_text(args.dropout_p),
         "dropmatch_protect": _number_or_text(args.dropmatch_protect),
         "dropmatch_rule": args.dropmatch_rule,
+        "dropmatch_shortlist": args.dropmatch_shortlist or None,  # None: the whole vocabulary
         "rule_top_k": args.rule_top_k if args.dropmatch_rule == "topk" else None,
         "seed": args.seed, "max_new_tokens": args.max_new_tokens,
         "conv_template": args.conv_template, "system_prompt": args.system_prompt,
@@ -212,7 +219,7 @@ def generate_turn(model, ids, args: argparse.Namespace):
         depth=args.depth, top_k=args.top_k, draft_length=args.draft_length, temperature=args.temperature,
         top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
         dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect, dropmatch_rule=args.dropmatch_rule,
-        rule_top_k=args.rule_top_k, seed=args.seed)
+        rule_top_k=args.rule_top_k, dropmatch_shortlist=args.dropmatch_shortlist, seed=args.seed)
 
 
 def answer_question(model, question: dict, args: argparse.Namespace) -> dict:

@@ -20,7 +20,8 @@ from transformers import DynamicCache
 from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, exact, longest_accepted_path,
                          make_rule, rejection_tokens)
 from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, choose_protect, dropout_inputs,
-                        lm_head_with_samples, rescale_needed, tokens_of_samples)
+                        lm_head_with_samples, rescale_needed, shortlist_ids, shortlist_logits,
+                        tokens_of_samples)
 from .drafters import Drafter
 from .verify import compact_cache, decoder_of, lm_head_logits, target_forward
 
@@ -240,6 +241,7 @@ class SpeculativeDecoder:
         dm = cfg.dropmatch
         rule = make_rule(dm.rule, dm.rule_top_k) if dm.lossy else exact
         rescale = rescale_needed(dm, cfg.temperature, self.lm_head.bias)
+        shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
         aux = self.aux_layer_ids if drafter.needs_features else None
         prompt = self._check_prompt(input_ids)
         gen = _new_generator(self.device, cfg.seed)
@@ -286,7 +288,7 @@ class SpeculativeDecoder:
                     result.computed_samples += len(samples.sample)
             with timer.section("lm_head"):  # one matmul for the undropped and the dropped rows
                 logits, sample_logits = lm_head_with_samples(
-                    self.lm_head, hidden, None if samples is None else samples.inputs)  # [N, V], [P, V]
+                    self.lm_head, hidden, None if samples is None or shortlisted else samples.inputs)  # [N, V], [P, V]
                 if cfg.temperature > 0 and tree.sampled:  # drafts drawn from q: rejection sampling
                     tokens = rejection_tokens(logits, tree.tokens, tree.parents, tree.draft_probs,
                                               cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
@@ -296,9 +298,14 @@ class SpeculativeDecoder:
                                      sample_top_k=cfg.sample_top_k)
             if dm.active:
                 with timer.section("dropmatch"):
+                    vocab_ids = None
+                    if shortlisted:  # the samples' logits over U shortlisted tokens only
+                        vocab_ids = shortlist_ids(logits, tree.has_children, tree.tokens, dm.shortlist)  # [U]
+                        sample_logits = shortlist_logits(self.lm_head, samples.inputs, vocab_ids)  # [P, U]
                     target_view.sample_tokens, target_view.sample_logits = tokens_of_samples(
                         sample_logits, samples, tree.has_children, tokens, cfg.temperature, cfg.top_p,
-                        cfg.sample_top_k, dm_gen, return_logits=dm.rule == "js")  # [K, N], [K, N, V] or None
+                        cfg.sample_top_k, dm_gen, return_logits=dm.rule == "js",
+                        vocab_ids=vocab_ids)  # [K, N], [K, N, V] or None
             # 3. Accept the longest path whose every token is in its parent's accepted set.
             with timer.section("bookkeeping"):
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))

@@ -143,19 +143,21 @@ class EagleModel:
                  total_token: int = 8, depth: int = 3, top_k: int = 2, draft_length: int = 5,
                  temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
                  dropmatch_k: int = 0, dropout_p: float | str = 0.3, dropmatch_protect: int | str = 0,
-                 dropmatch_rule: str = "match", rule_top_k: int = 2, seed: int = 0, baseline: bool = False,
-                 timer: RoundTimer | None = None) -> Generation:
+                 dropmatch_rule: str = "match", rule_top_k: int = 2, dropmatch_shortlist: int = 0,
+                 seed: int = 0, baseline: bool = False, timer: RoundTimer | None = None) -> Generation:
         """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
 
         ``method``: "eagle3" (tree N/D/K = total_token/depth/top_k; top_k 1 is chain mode), "sd" (the
         draft model, chains of ``draft_length``) or "baseline"; default "sd" when a draft model is
         loaded, else "eagle3". ``dropmatch_rule``: "match", "js" (chains only) or "topk"
-        (``rule_top_k``). Every lossy setting is lossy even at temperature 0.
+        (``rule_top_k``). ``dropmatch_shortlist`` M > 0 scores the samples over each decision node's M best
+        undropped tokens and the draft tokens (match rule, temperature 0). Every lossy setting is lossy even
+        at temperature 0.
         """
         cfg = make_decode_config(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  sample_top_k=sample_top_k, dropmatch_k=dropmatch_k, dropout_p=dropout_p,
                                  dropmatch_protect=dropmatch_protect, dropmatch_rule=dropmatch_rule,
-                                 rule_top_k=rule_top_k, seed=seed)
+                                 rule_top_k=rule_top_k, dropmatch_shortlist=dropmatch_shortlist, seed=seed)
         method = "baseline" if baseline else method or ("sd" if self.draft is not None else "eagle3")
         if method == "baseline":
             return self.decoder.generate_baseline(input_ids, cfg)
@@ -240,7 +242,7 @@ def parse_protect(value: int | str) -> tuple[int, bool]:
 def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                        sample_top_k: int = 0, dropmatch_k: int = 0, dropout_p: float | str = 0.3,
                        dropmatch_protect: int | str = 0, dropmatch_rule: str = "match", rule_top_k: int = 2,
-                       seed: int = 0) -> DecodeConfig:
+                       dropmatch_shortlist: int = 0, seed: int = 0) -> DecodeConfig:
     """Validated decoding settings (LoadError with one clear sentence on bad values)."""
     if max_new_tokens < 1:
         raise LoadError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -258,8 +260,13 @@ def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: 
         raise LoadError(f"dropmatch-rule must be one of {', '.join(RULE_NAMES)}, got {dropmatch_rule!r}")
     if rule_top_k < 1:
         raise LoadError(f"rule-top-k must be >= 1, got {rule_top_k}")
+    if dropmatch_shortlist < 0:
+        raise LoadError(f"dropmatch-shortlist must be >= 0, got {dropmatch_shortlist}")
+    if dropmatch_shortlist > 0 and dropmatch_k > 0 and (temperature > 0 or dropmatch_rule != "match"):
+        raise LoadError("dropmatch-shortlist scores each sample's argmax, so it needs the match rule at "
+                        "temperature 0: use --dropmatch-shortlist 0 (the whole vocabulary)")
     dm = DropMatchConfig(k=dropmatch_k, p=p, protect=protect, rule=dropmatch_rule, rule_top_k=rule_top_k,
-                         auto_rate=auto_rate, auto_protect=auto_protect)
+                         auto_rate=auto_rate, auto_protect=auto_protect, shortlist=dropmatch_shortlist)
     return DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         sample_top_k=sample_top_k, dropmatch=dm, seed=seed)
 

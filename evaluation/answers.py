@@ -21,8 +21,8 @@ from .common import EvalError, warn
 SETTING_KEYS = (
     "method", "model_path", "ea_model_path", "draft_model_path", "bench", "dtype", "device", "total_token",
     "depth", "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
-    "dropmatch_protect", "dropmatch_rule", "rule_top_k", "max_new_tokens", "conv_template",
-    "system_prompt",
+    "dropmatch_protect", "dropmatch_rule", "dropmatch_shortlist", "rule_top_k", "max_new_tokens",
+    "conv_template", "system_prompt",
 )
 
 _PER_TURN_LISTS = ("token_ids", "new_tokens", "wall_time", "idxs", "accept_lengths", "exact_accept_lengths",
@@ -121,9 +121,10 @@ class AnswerFile:
         names = {"baseline": "Standard decoding", "eagle3": "EAGLE-3", "sd": "SD"}
         text = names.get(method, method)
         if method != "baseline" and self.dropmatch:
-            protect = self.meta.get("dropmatch_protect")
+            protect, shortlist = self.meta.get("dropmatch_protect"), self.meta.get("dropmatch_shortlist")
             text += (f" + DropMatch (K={self.meta.get('dropmatch_k')}, p={self.meta.get('dropout_p')}"
-                     + (f", protect={protect}" if protect not in (None, 0, "0") else "") + ")")
+                     + (f", protect={protect}" if protect not in (None, 0, "0") else "")
+                     + (f", shortlist {shortlist}" if shortlist else "") + ")")
         elif self.meta.get("dropmatch_rule") == "topk":
             text += f" + top-{self.meta.get('rule_top_k')} acceptance"
         return text

@@ -3,10 +3,11 @@
     python scripts/bench_round.py [--model-path T --ea-model-path H] [--questions 8] [--dtype bfloat16]
 
 Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5; p=0.3 by default, several with ``--dropout-p 0.3 auto
---protect 0 auto``) on the same MT-Bench prompts, interleaved question by question, and prints the mean
-milliseconds per round in each section (medians over questions) and the DropMatch sample rows computed per
-round. Those rows share the undropped rows' LM-head matmul, so part of DropMatch's cost is inside "lm_head";
-its cost per round is therefore measured side by side as
+--protect 0 auto``; each also with its samples scored over a shortlist with ``--shortlist M``) on the same
+MT-Bench prompts, interleaved question by question, and prints the mean milliseconds per round in each
+section (medians over questions) and the DropMatch sample rows computed per round. Those rows share the
+undropped rows' LM-head matmul (or, with a shortlist, are scored after it, in "dropmatch"), so part of
+DropMatch's cost may be inside "lm_head"; its cost per round is therefore measured side by side as
 
     (lm_head + dropmatch + bookkeeping) with DropMatch - (lm_head + bookkeeping) of lossless EAGLE-3
 
@@ -150,6 +151,9 @@ def main(argv=None) -> int:
     p.add_argument("--dropout-p", nargs="+", default=["0.3"], help="probabilities or auto[:RATE], one variant each")
     p.add_argument("--protect", nargs="+", default=["0"],
                    help="protected dimensions or auto: one for all variants, or one per --dropout-p")
+    p.add_argument("--shortlist", type=int, nargs="+", default=[],
+                   help="also run each DropMatch variant with its samples scored over a shortlist of each M "
+                        "(--dropmatch-shortlist)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
@@ -163,8 +167,10 @@ def main(argv=None) -> int:
     try:
         for dropout_p, protect in zip(args.dropout_p, protects):
             parse_dropout_p(dropout_p), parse_protect(protect)  # bad values: one line before loading
-            variants[f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"] = dict(
-                dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
+            name = f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"
+            variants[name] = dict(dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
+            for m in args.shortlist:
+                variants[f"{name} M={m}"] = dict(variants[name], dropmatch_shortlist=m)
         model, questions = load_model_and_questions(args)
     except (LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,19 +1,16 @@
-"""How many DropMatch sample rows a shortlist test could keep out of the LM head, at most.
+"""How often scoring DropMatch's samples over a shortlist changes a round's decision (``--dropmatch-shortlist M``).
 
-    python scripts/dropmatch_shortlist.py [--questions 16] [--max-new-tokens 64] [--dropout-p 0.3]
+    python scripts/dropmatch_shortlist.py [--questions 16] [--max-new-tokens 64] [--dropout-p 0.3] [--shortlist 64 256]
 
-A sample can change a decision only by choosing one of its node's children. Score it on a shortlist
-S = {children of its node} U {the node's M best undropped tokens}: when its best token within S is not a child,
-its full-vocabulary argmax is not a child either (that token beats every child), so its LM-head row could be
-skipped without changing any decision. The undropped top-M is only known after the LM-head matmul; a real
-shortlist, known before it (the draft's candidates), would likely spare fewer rows, so the figures here bound
-what the idea can save. A skipped sample's token stays unknown, which the agreement statistics need.
-
-Runs the engine on MT-Bench first turns (EAGLE-3 + DropMatch, the bundled head by default), watching each
-round's sample rows, and prints the share of rows that could be skipped for each M, beside the share whose
-full argmax is a child (no shortlist test can skip those) and the share whose argmax is a child other than the
-undropped token (the only samples that change a decision: even an oracle must compute these). Not a test: the
-figures depend on the head and prompts.
+With the full-vocabulary rule every sample row goes through the LM head beside the undropped rows. With a
+shortlist the samples are scored after it, only over each decision node's M best undropped tokens and the draft
+tokens, so a sample's token is its argmax over the shortlist. The two differ only when the full argmax lies
+outside the shortlist (or, in bf16, by rounding). This script runs the engine with the full rule (EAGLE-3 +
+DropMatch, the bundled head by default) on MT-Bench first turns and, in every round, also decides the round
+with the shortlist rule on the same masks, and counts: sample rows whose token differs, rounds whose accepted
+path differs, and the net change in accepted tokens (positive: the shortlist accepts more). It also prints the
+share of rows whose argmax is a child of its node and the share whose argmax is a child other than the undropped
+token (the only samples that change a decision). Not a test: the figures depend on the head and prompts.
 """
 
 from __future__ import annotations
@@ -30,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # script_args, when not run as a script
 
 import eagle_dropmatch.generate as engine  # noqa: E402
+from eagle_dropmatch.acceptance import first_argmax, longest_accepted_path  # noqa: E402
+from eagle_dropmatch.dropmatch import shortlist_ids, shortlist_logits  # noqa: E402
 from eagle_dropmatch.loading import LoadError, parse_dropout_p  # noqa: E402
 from eagle_dropmatch.resources import ResourceError  # noqa: E402
 from script_args import add_model_and_question_args, load_model_and_questions  # noqa: E402
@@ -42,25 +41,10 @@ def child_mask(tokens: torch.Tensor, parents: torch.Tensor, vocab: int) -> torch
     return mask
 
 
-def spared_by_shortlist(sample_logits: torch.Tensor, sample_nodes: torch.Tensor, logits: torch.Tensor,
-                        children: torch.Tensor, m: int) -> torch.Tensor:
-    """bool [P]: samples whose best token within {children} U {undropped top-m} is not a child of their node.
-
-    Args:
-        sample_logits: [P, V] the computed samples' logits; sample_nodes: [P] their nodes.
-        logits: [N, V] undropped logits; children: [N, V] ``child_mask`` of the tree.
-        m: shortlist size taken from the undropped logits.
-    """
-    top = logits.topk(min(m, logits.shape[-1]), dim=-1).indices[sample_nodes]  # [P, m]
-    shortlist = children[sample_nodes].scatter(1, top, True)  # [P, V]
-    best = sample_logits.float().masked_fill(~shortlist, float("-inf")).argmax(-1)  # [P]
-    return ~children[sample_nodes].gather(1, best[:, None])[:, 0]
-
-
 @contextlib.contextmanager
 def watch_rounds(on_round):
-    """Call ``on_round(logits, sample_logits, samples, tokens, parents)`` once per DropMatch round of the
-    engine, by wrapping the functions the decoding loop calls (restored on exit)."""
+    """Call ``on_round(logits, sample_logits, samples, tokens, parents, depths, ancestors, accept_sets)`` once
+    per DropMatch round of the engine, by wrapping the functions the decoding loop calls (restored on exit)."""
     stash = {}
     originals = (engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path)
     lm_head_with_samples, tokens_of_samples, longest_accepted_path = originals
@@ -73,10 +57,11 @@ def watch_rounds(on_round):
         stash["samples"] = samples
         return tokens_of_samples(sample_logits, samples, *args, **kwargs)
 
-    def verifier(tokens, parents, *args):
+    def verifier(tokens, parents, depths, ancestors, accept_sets):
         if "samples" in stash:
-            on_round(stash["logits"], stash["sample_logits"], stash.pop("samples"), tokens, parents)
-        return longest_accepted_path(tokens, parents, *args)
+            on_round(stash["logits"], stash["sample_logits"], stash.pop("samples"), tokens, parents, depths,
+                     ancestors, accept_sets)
+        return longest_accepted_path(tokens, parents, depths, ancestors, accept_sets)
 
     engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path = (
         head, sample_tokens, verifier)
@@ -87,28 +72,48 @@ def watch_rounds(on_round):
 
 
 def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generate_kwargs) -> dict:
-    """Sample rows, the share whose argmax is a child, and the share each shortlist size could skip."""
-    counts = {"rows": 0, "argmax_is_child": 0, "argmax_is_other_child": 0, **{m: 0 for m in shortlists}}
+    """Rows, rounds, rows whose argmax is a child, and for each M what the shortlist rule decides differently."""
+    lm_head = model.target.get_output_embeddings()
+    counts = {"rows": 0, "rounds": 0, "accepted": 0, "argmax_is_child": 0, "argmax_is_other_child": 0,
+              "shortlist_size": {m: 0 for m in shortlists}, "rows_differ": {m: 0 for m in shortlists},
+              "rounds_differ": {m: 0 for m in shortlists}, "accepted_change": {m: 0 for m in shortlists}}
 
-    def on_round(logits, sample_logits, samples, tokens, parents):
+    def on_round(logits, sample_logits, samples, tokens, parents, depths, ancestors, accept_sets):
         if sample_logits is None or not len(samples.node):
             return
+        full = first_argmax(sample_logits)  # [P] each sample's token, as the engine chose it
         children = child_mask(tokens, parents, logits.shape[-1])  # [N, V]
-        full = sample_logits.float().argmax(-1)  # [P] each sample's token
         is_child = children[samples.node, full]  # [P]
+        path = longest_accepted_path(tokens, parents, depths, ancestors, accept_sets)
         counts["rows"] += len(samples.node)
+        counts["rounds"] += 1
+        counts["accepted"] += len(path) - 1
         counts["argmax_is_child"] += int(is_child.sum())
-        counts["argmax_is_other_child"] += int((is_child & (full != logits.float().argmax(-1)[samples.node])).sum())
+        counts["argmax_is_other_child"] += int((is_child & (full != first_argmax(logits)[samples.node])).sum())
+        nodes = children.any(dim=-1)  # [N] nodes with children
         for m in shortlists:
-            counts[m] += int(spared_by_shortlist(sample_logits, samples.node, logits, children, m).sum())
+            ids = shortlist_ids(logits, nodes, tokens, m)  # [U]
+            short = ids[first_argmax(shortlist_logits(lm_head, samples.inputs, ids))]  # [P]
+            sets = accept_sets.clone()  # [N, 1 + K]: the undropped token, then the K samples' tokens
+            sets[samples.node, 1 + samples.sample] = short
+            short_path = longest_accepted_path(tokens, parents, depths, ancestors, sets)
+            counts["shortlist_size"][m] += len(ids)
+            counts["rows_differ"][m] += int((short != full).sum())
+            counts["rounds_differ"][m] += int(not torch.equal(short_path, path))
+            counts["accepted_change"][m] += len(short_path) - len(path)
 
     with watch_rounds(on_round):
         for ids in prompts:
             model.generate(ids, **generate_kwargs)
-    rows = max(counts["rows"], 1)
-    return {"rows": counts["rows"], "argmax_is_child": counts["argmax_is_child"] / rows,
+    rows, rounds = max(counts["rows"], 1), max(counts["rounds"], 1)
+    return {"rows": counts["rows"], "rounds": counts["rounds"], "accepted_per_round": counts["accepted"] / rounds,
+            "argmax_is_child": counts["argmax_is_child"] / rows,
             "argmax_is_other_child": counts["argmax_is_other_child"] / rows,
-            "spared": {m: counts[m] / rows for m in shortlists}}
+            "shortlist": {m: {"mean_size": counts["shortlist_size"][m] / rounds,
+                              "rows_differ": counts["rows_differ"][m] / rows,
+                              "rounds_differ": counts["rounds_differ"][m] / rounds,
+                              "accepted_change": counts["accepted_change"][m] / max(counts["accepted"], 1)}
+                          for m in shortlists}}
 
 
 def main(argv=None) -> int:
@@ -116,7 +121,8 @@ def main(argv=None) -> int:
     add_model_and_question_args(p, questions=16, max_new_tokens=64)
     p.add_argument("--dropmatch-k", type=int, default=5)
     p.add_argument("--dropout-p", default="0.3")
-    p.add_argument("--shortlist", type=int, nargs="+", default=[1, 4, 8, 32], help="sizes M of the undropped top-M")
+    p.add_argument("--shortlist", type=int, nargs="+", default=[16, 64, 256, 1024],
+                   help="sizes M of each node's undropped top-M")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -132,12 +138,15 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"settings": vars(args), **result}, indent=2))
         return 0
-    print(f"{len(questions)} questions, {result['rows']} DropMatch sample rows (K={args.dropmatch_k}, "
-          f"p={args.dropout_p}); argmax is a child of its node (no shortlist test skips these): "
-          f"{result['argmax_is_child']:.3f}; a child other than the undropped token (the rows that change a "
-          f"decision): {result['argmax_is_other_child']:.3f}")
-    for m, share in result["spared"].items():
-        print(f"  shortlist = children + undropped top-{m}: rows that could be skipped {share:.3f}")
+    print(f"{len(questions)} questions, {result['rounds']} rounds, {result['rows']} DropMatch sample rows "
+          f"(K={args.dropmatch_k}, p={args.dropout_p}, full-vocabulary rule: {result['accepted_per_round']:.3f} "
+          f"draft tokens accepted per round); argmax is a child of its node: {result['argmax_is_child']:.3f}; a "
+          f"child other than the undropped token (the rows that change a decision): "
+          f"{result['argmax_is_other_child']:.3f}")
+    print(f"{'M':>6s} {'tokens scored':>14s} {'rows differ':>12s} {'rounds differ':>14s} {'accepted change':>16s}")
+    for m, r in result["shortlist"].items():
+        print(f"{m:6d} {r['mean_size']:14.1f} {100 * r['rows_differ']:11.2f}% {100 * r['rounds_differ']:13.2f}% "
+              f"{100 * r['accepted_change']:+15.2f}%")
     return 0
 
 

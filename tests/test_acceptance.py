@@ -6,7 +6,8 @@ import torch
 from eagle_dropmatch.acceptance import (ARGMAX_BLOCK, DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         first_argmax, longest_accepted_path, process_logits, top_k_rule)
 from eagle_dropmatch.dropmatch import (DropMatchConfig, agreement_counts, dropout_inputs, dropout_masks,
-                                       lm_head_with_samples, rescale_needed, tokens_of_samples)
+                                       lm_head_with_samples, rescale_needed, shortlist_ids, shortlist_logits,
+                                       tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
 
 V = 10
@@ -188,6 +189,42 @@ def test_one_matmul_gives_the_undropped_and_the_sample_logits():
         assert torch.allclose(sample_logits, lm_head(samples.inputs), atol=1e-6)
         plain, none = lm_head_with_samples(lm_head, hidden, None)
     assert none is None and torch.equal(plain, lm_head(hidden).detach())
+
+
+def test_shortlist_holds_each_decision_nodes_top_tokens_and_the_drafts_sorted():
+    logits = torch.tensor([[0., 5, 4, 3, 0, 0, 0, 0, 0, 1],   # node 0: top-2 {1, 2}
+                           [9., 0, 0, 0, 0, 0, 0, 0, 8, 0],   # node 1: no children, its top is not needed
+                           [0., 0, 0, 0, 0, 0, 7, 6, 0, 0]])  # node 2: top-2 {6, 7}
+    draft_tokens = torch.tensor([9, 4, 4])
+    ids = shortlist_ids(logits, torch.tensor([True, False, True]), draft_tokens, m=2)
+    assert ids.tolist() == [1, 2, 4, 6, 7, 9]
+    assert shortlist_ids(logits, torch.tensor([True, False, True]), draft_tokens, m=V).tolist() == list(range(V))
+
+
+def test_shortlist_sample_token_is_its_best_shortlisted_token():
+    """A sample whose full argmax lies outside the shortlist takes its best token inside it (the approximation
+    ``--dropmatch-shortlist`` makes); one whose argmax is inside gets the same token as the full rule."""
+    lm_head = torch.nn.Linear(2, V, bias=False)
+    with torch.no_grad():
+        lm_head.weight.zero_()
+        lm_head.weight[3] = torch.tensor([1.0, 0.0])   # the undropped favourite: reads dimension 0
+        lm_head.weight[5] = torch.tensor([0.0, 0.6])   # a draft token: reads dimension 1
+        lm_head.weight[8] = torch.tensor([-1.0, 0.9])  # outside the shortlist, best once dimension 0 drops
+    hidden = torch.tensor([[2.0, 1.0]])  # one node: undropped logits 3 -> 2.0, 5 -> 0.6, 8 -> -1.1
+    nodes = torch.tensor([True])
+    samples = dropout_inputs(hidden, nodes, DropMatchConfig(k=2, p=0.5), None, rescale=False)
+    samples.inputs = torch.tensor([[0.0, 1.0], [2.0, 0.0]])  # sample 0 drops dimension 0, sample 1 dimension 1
+    samples.sample, samples.node = torch.tensor([0, 1]), torch.tensor([0, 0])
+    with torch.no_grad():
+        logits, full_logits = lm_head_with_samples(lm_head, hidden, samples.inputs)
+        ids = shortlist_ids(logits, nodes, torch.tensor([5]), m=1)
+        short_logits = shortlist_logits(lm_head, samples.inputs, ids)
+    assert ids.tolist() == [3, 5] and short_logits.shape == (2, 2)
+    undropped = logits.argmax(-1)
+    full, _ = tokens_of_samples(full_logits, samples, nodes, undropped, 0.0, 1.0, 0, None)
+    short, _ = tokens_of_samples(short_logits, samples, nodes, undropped, 0.0, 1.0, 0, None, vocab_ids=ids)
+    assert full[:, 0].tolist() == [8, 3]
+    assert short[:, 0].tolist() == [5, 3]  # token 8 is not scored: the draft token 5 wins sample 0
 
 
 def test_masks_are_inverted_dropout_and_protect_dimensions():

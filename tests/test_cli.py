@@ -92,6 +92,11 @@ BAD_NUMBERS = [
     (["--depth", "0"], "depth must be >= 1"),
     (["--top-k", "0"], "top_k must be >= 1"),
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+    (["--dropmatch-shortlist", "-1"], "dropmatch-shortlist must be >= 0"),
+    (["--dropmatch-k", "5", "--dropmatch-shortlist", "64", "--temperature", "0.7"],
+     "needs the match rule at temperature 0"),
+    (["--dropmatch-k", "5", "--dropmatch-shortlist", "64", "--dropmatch-rule", "js", "--top-k", "1"],
+     "needs the match rule at temperature 0"),
 ]
 
 

@@ -116,6 +116,31 @@ def test_dropmatch_never_accepts_less_than_exact_on_the_same_trees(target):
     assert gained > 0  # p = 0.3 on a random target does widen acceptance
 
 
+def test_dropmatch_shortlist_of_the_whole_vocabulary_decides_as_the_full_rule(target):
+    """Scoring the samples over a shortlist that holds every token gives the full rule's tokens and rounds.
+    A one-token shortlist (the undropped token and the drafts) still never accepts less than exact matching,
+    and its samples, confined to those tokens, make smaller accepted sets than the full rule's."""
+    engine = SpeculativeDecoder(target, AUX)
+    vocab = target.config.vocab_size
+    set_sizes = {"full": [0, 0], "short": [0, 0]}  # accepted-set total, positions
+    for i, prompt in enumerate(prompts(3, seed=12)):
+        reference, second = greedy_reference(target, prompt, 30, runner_up=True)
+
+        def run(shortlist):  # a fresh drafter each time: its draws are part of the trees
+            drafter = OracleDrafter(reference, depth=5, vocab=96, error_rate=0.8, seed=i, runner_up=second)
+            dm = DropMatchConfig(k=5, p=0.3, shortlist=shortlist)
+            return engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=30, seed=i, dropmatch=dm))
+
+        full, whole, short = run(0), run(vocab), run(1)
+        assert whole.token_ids == full.token_ids and whole.accept_lengths == full.accept_lengths
+        assert whole.accepted_set_total == full.accepted_set_total
+        assert all(a >= e for a, e in zip(short.accept_lengths, short.exact_accept_lengths))
+        for name, out in (("full", full), ("short", short)):
+            set_sizes[name][0] += out.accepted_set_total
+            set_sizes[name][1] += out.verified_positions
+    assert set_sizes["short"][0] / set_sizes["short"][1] < set_sizes["full"][0] / set_sizes["full"][1]
+
+
 def test_dropmatch_is_deterministic_for_a_seed(target):
     engine = SpeculativeDecoder(target, AUX)
     drafter = Eagle3Drafter(tiny_head(target, seed=3), 16, 4, 4)

@@ -114,6 +114,10 @@ def test_different_settings_are_separate_groups(tmp_path, files):
     other = write_answers(tmp_path / "d7.jsonl", dm_records(), {**META_DM, "depth": 7})
     rep = speed.speed_report([dm, other], [base])
     assert [g["n_runs"] for g in rep["groups"]] == [1, 1]
+    shortlisted = write_answers(tmp_path / "sl.jsonl", dm_records(), {**META_DM, "dropmatch_shortlist": 256})
+    rep = speed.speed_report([dm, shortlisted], [base])
+    assert [g["n_runs"] for g in rep["groups"]] == [1, 1]
+    assert rep["runs"][1]["label"] == "EAGLE-3 + DropMatch (K=5, p=0.3, shortlist 256)"
 
 
 def test_lossless_exact_tau_equals_tau(tmp_path, files):

@@ -25,9 +25,11 @@ def test_bench_device_smoke(capsys):
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     table = report["trees"]["4/2/2"]["per_round_ms"]
-    assert set(table) == {"eagle3", "dropmatch K=5 p=0.3"}
+    assert set(table) == {"eagle3", "dropmatch K=5 p=0.3", "dropmatch K=5 p=0.3 M=256"}
     dm = table["dropmatch K=5 p=0.3"]
     assert dm["round"] > 0 and dm["lm_head"] > 0 and dm["dropmatch"] > 0
+    shortlisted = table["dropmatch K=5 p=0.3 M=256"]
+    assert shortlisted["sample_rows"] > 0 and shortlisted["dropmatch"] > 0
     assert table["eagle3"]["dropmatch"] == 0 and table["eagle3"]["dropmatch_cost_ms"] == 0
     assert isinstance(report["trees"]["4/2/2"]["lm_head"]["stacked_rows_identical"], bool)  # a property of the BLAS
 
@@ -209,10 +211,10 @@ def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_p
     assert "noise floor" in (out / "sweep.md").read_text()
 
 
-def test_dropmatch_shortlist_bound_holds_its_invariants(tiny_model_dir, capsys):
-    """A sample whose argmax is a child is never skippable, and a longer shortlist never skips fewer rows
-    (a non-child that beats every child keeps doing so); watching the rounds changes no decision and the
-    engine's functions are restored afterwards."""
+def test_dropmatch_shortlist_measures_what_the_shortlist_changes(tiny_model_dir, capsys):
+    """A shortlist of every token decides every round as the full rule does; a longer shortlist never changes
+    more sample tokens; the rows that change a decision are among those whose argmax is a child; watching the
+    rounds changes no decision and the engine's functions are restored afterwards."""
     import eagle_dropmatch.generate as engine
     from eagle_dropmatch.loading import load
     module = _script("dropmatch_shortlist")
@@ -226,13 +228,14 @@ def test_dropmatch_shortlist_bound_holds_its_invariants(tiny_model_dir, capsys):
         watched = [model.generate(ids, **settings).token_ids for ids in prompts]
     assert watched == unwatched and seen
     assert (engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path) == originals
-    result = module.measure(model, prompts, [1, 4, 16, 96], **settings)
-    assert result["rows"] > 0 and result["argmax_is_other_child"] <= result["argmax_is_child"]
-    spared = [result["spared"][m] for m in (1, 4, 16, 96)]
-    assert spared == sorted(spared)
-    assert spared[-1] <= 1 - result["argmax_is_child"] + 1e-9
-    whole = module.measure(model, prompts, [model.target.config.vocab_size], **settings)  # S = every token
-    assert whole["spared"][model.target.config.vocab_size] == pytest.approx(1 - whole["argmax_is_child"])
+    vocab = model.target.config.vocab_size
+    result = module.measure(model, prompts, [1, 4, 16, vocab], **settings)
+    assert result["rows"] > 0 and result["rounds"] > 0
+    assert result["argmax_is_other_child"] <= result["argmax_is_child"]
+    differ = [result["shortlist"][m]["rows_differ"] for m in (1, 4, 16, vocab)]
+    assert differ == sorted(differ, reverse=True) and differ[0] > 0
+    assert result["shortlist"][vocab] == {"mean_size": vocab, "rows_differ": 0.0, "rounds_differ": 0.0,
+                                          "accepted_change": 0.0}
     capsys.readouterr()
     assert module.main(["--model-path", str(tiny_model_dir / "target"), "--dropout-p", "1.5"]) == 2
     assert capsys.readouterr().err == "error: dropout-p must be in [0, 1), got 1.5\n"
