@@ -172,6 +172,16 @@ def lm_head_with_samples(lm_head: torch.nn.Module, hidden: torch.Tensor,
     return logits[:n], logits[n:]
 
 
+def check_shortlist(cfg: DropMatchConfig, temperature: float) -> None:
+    """A shortlist replaces each sample's argmax over the vocabulary by one over the shortlist: it needs the
+    match rule at T = 0 (sampling and js use whole distributions). Raises ValueError otherwise."""
+    if cfg.shortlist < 0:
+        raise ValueError(f"dropmatch-shortlist must be >= 0, got {cfg.shortlist}")
+    if cfg.shortlist > 0 and cfg.active and (temperature > 0 or cfg.rule != "match"):
+        raise ValueError("dropmatch-shortlist scores each sample's argmax, so it needs the match rule at "
+                         "temperature 0: use --dropmatch-shortlist 0 (the whole vocabulary)")
+
+
 def shortlist_ids(logits: torch.Tensor, nodes: torch.Tensor, draft_tokens: torch.Tensor, m: int) -> torch.Tensor:
     """The tokens the samples are scored over: each decision node's M best undropped tokens and every draft token.
 

@@ -19,8 +19,8 @@ from transformers import DynamicCache
 
 from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, exact, longest_accepted_path,
                          make_rule, rejection_tokens)
-from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, choose_protect, dropout_inputs,
-                        lm_head_with_samples, rescale_needed, shortlist_ids, shortlist_logits,
+from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, check_shortlist, choose_protect,
+                        dropout_inputs, lm_head_with_samples, rescale_needed, shortlist_ids, shortlist_logits,
                         tokens_of_samples)
 from .drafters import Drafter
 from .verify import compact_cache, decoder_of, lm_head_logits, target_forward
@@ -241,6 +241,7 @@ class SpeculativeDecoder:
         dm = cfg.dropmatch
         rule = make_rule(dm.rule, dm.rule_top_k) if dm.lossy else exact
         rescale = rescale_needed(dm, cfg.temperature, self.lm_head.bias)
+        check_shortlist(dm, cfg.temperature)
         shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
         aux = self.aux_layer_ids if drafter.needs_features else None
         prompt = self._check_prompt(input_ids)
@@ -287,8 +288,8 @@ class SpeculativeDecoder:
                     samples = dropout_inputs(hidden, tree.has_children, dm, dm_gen, rescale)  # P of K x N
                     result.computed_samples += len(samples.sample)
             with timer.section("lm_head"):  # one matmul for the undropped and the dropped rows
-                logits, sample_logits = lm_head_with_samples(
-                    self.lm_head, hidden, None if samples is None or shortlisted else samples.inputs)  # [N, V], [P, V]
+                stacked = None if samples is None or shortlisted else samples.inputs  # [P, H] or None
+                logits, sample_logits = lm_head_with_samples(self.lm_head, hidden, stacked)  # [N, V], [P, V]
                 if cfg.temperature > 0 and tree.sampled:  # drafts drawn from q: rejection sampling
                     tokens = rejection_tokens(logits, tree.tokens, tree.parents, tree.draft_probs,
                                               cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]

@@ -22,7 +22,7 @@ import torch
 
 from .draft_model import DraftModelError, ModelDrafter, check_tokenizers
 from .drafters import Drafter, Eagle3Drafter
-from .dropmatch import DropMatchConfig
+from .dropmatch import DropMatchConfig, check_shortlist
 from .generate import DecodeConfig, Generation, RoundTimer, SpeculativeDecoder
 from .head import Eagle3Head, HeadError, check_aux_layer_ids, default_aux_layer_ids, load_head
 
@@ -260,13 +260,12 @@ def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: 
         raise LoadError(f"dropmatch-rule must be one of {', '.join(RULE_NAMES)}, got {dropmatch_rule!r}")
     if rule_top_k < 1:
         raise LoadError(f"rule-top-k must be >= 1, got {rule_top_k}")
-    if dropmatch_shortlist < 0:
-        raise LoadError(f"dropmatch-shortlist must be >= 0, got {dropmatch_shortlist}")
-    if dropmatch_shortlist > 0 and dropmatch_k > 0 and (temperature > 0 or dropmatch_rule != "match"):
-        raise LoadError("dropmatch-shortlist scores each sample's argmax, so it needs the match rule at "
-                        "temperature 0: use --dropmatch-shortlist 0 (the whole vocabulary)")
     dm = DropMatchConfig(k=dropmatch_k, p=p, protect=protect, rule=dropmatch_rule, rule_top_k=rule_top_k,
                          auto_rate=auto_rate, auto_protect=auto_protect, shortlist=dropmatch_shortlist)
+    try:
+        check_shortlist(dm, temperature)
+    except ValueError as exc:
+        raise LoadError(str(exc)) from None
     return DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                         sample_top_k=sample_top_k, dropmatch=dm, seed=seed)
 

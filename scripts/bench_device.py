@@ -7,9 +7,9 @@ published shape (Llama-3.1-8B by default) and a matching EAGLE-3 head (draft voc
 published Llama-3.1-8B head) directly on the device in bf16, and times lossless EAGLE-3 against
 EAGLE-3 + DropMatch (K=5, p=0.3; also with its samples scored over a shortlist, ``--shortlist 256``) per
 verification round, in the same sections and with the same DropMatch cost (lm_head + dropmatch + bookkeeping
-against EAGLE-3) as scripts/bench_round.py. Random weights accept
-almost nothing, so every round verifies a full tree and commits about one token: the round's cost is what
-is measured here, not tau. ``--shape tiny`` runs the same on a CPU in seconds (a smoke check).
+against EAGLE-3) as scripts/bench_round.py. Random weights accept almost nothing, so every round verifies a
+full tree and commits about one token: the round's cost is what is measured here, not tau. ``--shape tiny``
+runs the same on a CPU in seconds (a smoke check).
 """
 
 from __future__ import annotations

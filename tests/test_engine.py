@@ -139,6 +139,9 @@ def test_dropmatch_shortlist_of_the_whole_vocabulary_decides_as_the_full_rule(ta
             set_sizes[name][0] += out.accepted_set_total
             set_sizes[name][1] += out.verified_positions
     assert set_sizes["short"][0] / set_sizes["short"][1] < set_sizes["full"][0] / set_sizes["full"][1]
+    with pytest.raises(ValueError, match="needs the match rule at temperature 0"):  # the engine checks it too
+        engine.generate(prompt, OracleDrafter(reference, depth=5, vocab=96), DecodeConfig(
+            max_new_tokens=4, temperature=0.7, dropmatch=DropMatchConfig(k=5, p=0.3, shortlist=8)))
 
 
 def test_dropmatch_is_deterministic_for_a_seed(target):
