@@ -11,6 +11,13 @@ with the shortlist rule on the same masks, and counts: sample rows whose token d
 path differs, and the net change in accepted tokens (positive: the shortlist accepts more). It also prints the
 share of rows whose argmax is a child of its node and the share whose argmax is a child other than the undropped
 token (the only samples that change a decision). Not a test: the figures depend on the head and prompts.
+
+It also measures what an exact lazy scheme would cost: score every sample over the shortlist, and send through
+a second LM-head pass only the rows the shortlist cannot settle. A row whose shortlist argmax is not a child of
+its node other than the undropped token cannot change a decision (its full argmax would win the shortlist too);
+a row whose shortlist argmax is such a child may still lose to a token outside the list. The round is settled
+without the full rows when the path is the same with those rows matching (the shortlist rule) and not matching;
+"rounds unsettled" is the share of rounds that would need the second pass.
 """
 
 from __future__ import annotations
@@ -75,8 +82,9 @@ def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generat
     """Rows, rounds, rows whose argmax is a child, and for each M what the shortlist rule decides differently."""
     lm_head = model.target.get_output_embeddings()
     counts = {"rows": 0, "rounds": 0, "accepted": 0, "argmax_is_child": 0, "argmax_is_other_child": 0,
-              "shortlist_size": {m: 0 for m in shortlists}, "rows_differ": {m: 0 for m in shortlists},
-              "rounds_differ": {m: 0 for m in shortlists}, "accepted_change": {m: 0 for m in shortlists}}
+              **{key: {m: 0 for m in shortlists} for key in ("shortlist_size", "rows_differ", "rounds_differ",
+                                                             "accepted_change", "rows_unsettled",
+                                                             "rounds_unsettled")}}
 
     def on_round(logits, sample_logits, samples, tokens, parents, depths, ancestors, accept_sets):
         if sample_logits is None or not len(samples.node):
@@ -91,16 +99,24 @@ def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generat
         counts["argmax_is_child"] += int(is_child.sum())
         counts["argmax_is_other_child"] += int((is_child & (full != first_argmax(logits)[samples.node])).sum())
         nodes = children.any(dim=-1)  # [N] nodes with children
+        undropped = first_argmax(logits)[samples.node]  # [P] the undropped token at each row's node
         for m in shortlists:
             ids = shortlist_ids(logits, nodes, tokens, m)  # [U]
             short = ids[first_argmax(shortlist_logits(lm_head, samples.inputs, ids))]  # [P]
             sets = accept_sets.clone()  # [N, 1 + K]: the undropped token, then the K samples' tokens
             sets[samples.node, 1 + samples.sample] = short
             short_path = longest_accepted_path(tokens, parents, depths, ancestors, sets)
+            # Rows the shortlist cannot settle: their shortlist argmax is a child other than the undropped token.
+            unsettled = children[samples.node, short] & (short != undropped) & (len(ids) < logits.shape[-1])
+            without = sets.clone()
+            without[samples.node[unsettled], 1 + samples.sample[unsettled]] = -1
+            without_path = longest_accepted_path(tokens, parents, depths, ancestors, without)
             counts["shortlist_size"][m] += len(ids)
             counts["rows_differ"][m] += int((short != full).sum())
             counts["rounds_differ"][m] += int(not torch.equal(short_path, path))
             counts["accepted_change"][m] += len(short_path) - len(path)
+            counts["rows_unsettled"][m] += int(unsettled.sum())
+            counts["rounds_unsettled"][m] += int(not torch.equal(short_path, without_path))
 
     with watch_rounds(on_round):
         for ids in prompts:
@@ -112,7 +128,9 @@ def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generat
             "shortlist": {m: {"mean_size": counts["shortlist_size"][m] / rounds,
                               "rows_differ": counts["rows_differ"][m] / rows,
                               "rounds_differ": counts["rounds_differ"][m] / rounds,
-                              "accepted_change": counts["accepted_change"][m] / max(counts["accepted"], 1)}
+                              "accepted_change": counts["accepted_change"][m] / max(counts["accepted"], 1),
+                              "rows_unsettled_per_round": counts["rows_unsettled"][m] / rounds,
+                              "rounds_unsettled": counts["rounds_unsettled"][m] / rounds}
                           for m in shortlists}}
 
 
@@ -121,7 +139,7 @@ def main(argv=None) -> int:
     add_model_and_question_args(p, questions=16, max_new_tokens=64)
     p.add_argument("--dropmatch-k", type=int, default=5)
     p.add_argument("--dropout-p", default="0.3")
-    p.add_argument("--shortlist", type=int, nargs="+", default=[16, 64, 256, 1024],
+    p.add_argument("--shortlist", type=int, nargs="+", default=[1, 16, 64, 256, 1024],
                    help="sizes M of each node's undropped top-M")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", action="store_true")
@@ -143,10 +161,12 @@ def main(argv=None) -> int:
           f"draft tokens accepted per round); argmax is a child of its node: {result['argmax_is_child']:.3f}; a "
           f"child other than the undropped token (the rows that change a decision): "
           f"{result['argmax_is_other_child']:.3f}")
-    print(f"{'M':>6s} {'tokens scored':>14s} {'rows differ':>12s} {'rounds differ':>14s} {'accepted change':>16s}")
+    print(f"{'M':>6s} {'tokens scored':>14s} {'rows differ':>12s} {'rounds differ':>14s} {'accepted change':>16s} "
+          f"{'unsettled rows/round':>21s} {'rounds unsettled':>17s}")
     for m, r in result["shortlist"].items():
         print(f"{m:6d} {r['mean_size']:14.1f} {100 * r['rows_differ']:11.2f}% {100 * r['rounds_differ']:13.2f}% "
-              f"{100 * r['accepted_change']:+15.2f}%")
+              f"{100 * r['accepted_change']:+15.2f}% {r['rows_unsettled_per_round']:21.2f} "
+              f"{100 * r['rounds_unsettled']:16.2f}%")
     return 0
 
 

@@ -213,8 +213,9 @@ def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_p
 
 def test_dropmatch_shortlist_measures_what_the_shortlist_changes(tiny_model_dir, capsys):
     """A shortlist of every token decides every round as the full rule does; a longer shortlist never changes
-    more sample tokens; the rows that change a decision are among those whose argmax is a child; watching the
-    rounds changes no decision and the engine's functions are restored afterwards."""
+    more sample tokens; the rows that change a decision are among those whose argmax is a child; a round the
+    shortlist decides differently is always one the lazy check counts as unsettled; watching the rounds changes
+    no decision and the engine's functions are restored afterwards."""
     import eagle_dropmatch.generate as engine
     from eagle_dropmatch.loading import load
     module = _script("dropmatch_shortlist")
@@ -235,7 +236,13 @@ def test_dropmatch_shortlist_measures_what_the_shortlist_changes(tiny_model_dir,
     differ = [result["shortlist"][m]["rows_differ"] for m in (1, 4, 16, vocab)]
     assert differ == sorted(differ, reverse=True) and differ[0] > 0
     assert result["shortlist"][vocab] == {"mean_size": vocab, "rows_differ": 0.0, "rounds_differ": 0.0,
-                                          "accepted_change": 0.0}
+                                          "accepted_change": 0.0, "rows_unsettled_per_round": 0.0,
+                                          "rounds_unsettled": 0.0}
+    for m in (1, 4, 16):
+        short = result["shortlist"][m]
+        assert short["rounds_differ"] <= short["rounds_unsettled"] <= 1.0
+        assert short["rows_unsettled_per_round"] > 0 or short["rounds_unsettled"] == 0
+    assert result["shortlist"][1]["rounds_unsettled"] > 0  # a one-token list leaves rounds to the full rows
     capsys.readouterr()
     assert module.main(["--model-path", str(tiny_model_dir / "target"), "--dropout-p", "1.5"]) == 2
     assert capsys.readouterr().err == "error: dropout-p must be in [0, 1), got 1.5\n"
