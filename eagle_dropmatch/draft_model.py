@@ -15,12 +15,11 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
 
 from .acceptance import distribution
 from .drafters import Drafter, chain_tree
 from .tree import DraftTree
-from .verify import crop_cache
+from .verify import crop_cache, new_cache
 
 #: strings whose ids must agree between the target's and the draft's tokenizers.
 SAMPLE_STRINGS = (
@@ -89,7 +88,7 @@ class ModelDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = new_cache(self.model.config)
         self.tokens = torch.empty(0, dtype=torch.long, device=self.device)  # [T] committed, the root last
         self.cached = 0  # entries in the draft cache: tokens[:cached], then this round's drafts
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)

@@ -23,7 +23,9 @@ from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, 
                         dropout_inputs, lm_head_with_samples, rescale_needed, shortlist_ids, shortlist_logits,
                         tokens_of_samples)
 from .drafters import Drafter
-from .verify import compact_cache, decoder_of, lm_head_logits, target_forward
+from .tree import DraftTree
+from .verify import (compact_cache, decoder_of, lm_head_logits, new_cache, sliding_window, target_forward,
+                     windowed_attention)
 
 
 @dataclass(frozen=True)
@@ -142,11 +144,22 @@ class SpeculativeDecoder:
         self.lm_head = target.get_output_embeddings()
         self.device = self.lm_head.weight.device
         self.max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 30
+        self.window = sliding_window(target.config)
 
     # ------------------------------------------------------------------------------- helpers
 
     def _new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.target.config)
+        return new_cache(self.target.config)
+
+    def _tree_mask(self, tree: DraftTree, prefix: int):
+        """The verification forward's attention mask: the tree's, with the target's sliding window once the
+        sequence outgrows it (a mapping per layer type where only some layers slide)."""
+        mask = tree.attention_mask(prefix)  # [1, 1, N, prefix + N]
+        if self.window is None or prefix + len(tree) <= self.window:
+            return mask
+        positions = prefix + tree.depths  # [N]
+        keys = torch.cat([torch.arange(prefix, device=positions.device), positions])  # [prefix + N]
+        return windowed_attention(self.target.config, mask, positions, keys)
 
     def _check_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(self.device)
@@ -280,7 +293,7 @@ class SpeculativeDecoder:
             with timer.section("target"):
                 hidden, features = target_forward(
                     self.decoder, tree.tokens[None], (prefix + tree.depths)[None], cache,
-                    tree.attention_mask(prefix), aux)  # [N, H], [N, 3H]
+                    self._tree_mask(tree, prefix), aux)  # [N, H], [N, 3H]
             # 2b. DropMatch: K dropped copies of the LM-head input at the nodes with children.
             samples = None
             if dm.active:  # only samples at nodes with children can matter (no draft is matched elsewhere)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 
 def decoder_of(target: nn.Module) -> nn.Module:
@@ -33,7 +34,8 @@ def target_forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: to
         position_ids: [1, S] absolute positions.
         cache: a transformers ``DynamicCache`` holding the committed prefix (S entries are appended), or
             None to read a whole sequence without keeping a cache (training features).
-        attention_mask: bool [1, 1, S, prefix + S] (True = attend), or None for causal.
+        attention_mask: bool [1, 1, S, prefix + S] (True = attend), a mapping from layer type to such masks
+            (``windowed_attention``), or None for causal.
         aux_layer_ids: which ``hidden_states`` to return as draft features, or None for none.
 
     Returns:
@@ -48,6 +50,52 @@ def target_forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: to
     states = out.hidden_states
     features = torch.cat([states[i][0].to(hidden.device) for i in aux_layer_ids], dim=-1)
     return hidden, features
+
+
+def sliding_window(config) -> int | None:
+    """The window W of a target whose layers (some or all) attend only to their last W positions, else None."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
+def new_cache(config) -> DynamicCache:
+    """An empty KV cache that keeps every entry, for the target or a draft model.
+
+    Compaction and cropping address entries by position, so a sliding-window target gets full layers too
+    (``DynamicCache(config=...)`` would drop entries older than the window); its window is applied in the
+    attention masks instead (``windowed_attention``; the model builds it itself when given no mask).
+    """
+    return DynamicCache() if sliding_window(config) is not None else DynamicCache(config=config)
+
+
+def windowed_attention(config, mask: torch.Tensor, query_positions: torch.Tensor,
+                       key_positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The tree's attention mask for a target with sliding-window layers.
+
+    Args:
+        config: the target's config (``sliding_window``, ``layer_types``).
+        mask: bool [1, 1, N, T] the tree mask (prefix and ancestors).
+        query_positions: [N] absolute positions of the tree nodes.
+        key_positions: [T] absolute positions of the cache entries and the nodes.
+
+    Returns:
+        ``mask`` unchanged without a window; the mask with keys W or more positions back hidden when every
+        layer slides; else a mapping from layer type to mask, which transformers' models take in place of
+        one mask.
+    """
+    window = sliding_window(config)
+    if window is None:
+        return mask
+    windowed = mask & (query_positions[:, None] - key_positions[None, :] < window)  # [1, 1, N, T]
+    types = getattr(config, "layer_types", None)
+    if types is None or all(t == "sliding_attention" for t in types):
+        return windowed
+    return {"full_attention": mask, "sliding_attention": windowed}
 
 
 def lm_head_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
