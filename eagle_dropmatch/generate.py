@@ -145,6 +145,7 @@ class SpeculativeDecoder:
         self.device = self.lm_head.weight.device
         self.max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 30
         self.window = sliding_window(target.config)
+        self.mask_per_layer_type = getattr(target.config, "layer_types", None) is not None
 
     # ------------------------------------------------------------------------------- helpers
 
@@ -153,13 +154,13 @@ class SpeculativeDecoder:
 
     def _tree_mask(self, tree: DraftTree, prefix: int):
         """The verification forward's attention mask: the tree's, with the target's sliding window once the
-        sequence outgrows it (a mapping per layer type where only some layers slide)."""
+        sequence outgrows it (a mapping per layer type where the config lists them)."""
         mask = tree.attention_mask(prefix)  # [1, 1, N, prefix + N]
         if self.window is None or prefix + len(tree) <= self.window:
             return mask
         positions = prefix + tree.depths  # [N]
         keys = torch.cat([torch.arange(prefix, device=positions.device), positions])  # [prefix + N]
-        return windowed_attention(self.target.config, mask, positions, keys)
+        return windowed_attention(mask, positions, keys, self.window, self.mask_per_layer_type)
 
     def _check_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(self.device)

@@ -73,29 +73,26 @@ def new_cache(config) -> DynamicCache:
     return DynamicCache() if sliding_window(config) is not None else DynamicCache(config=config)
 
 
-def windowed_attention(config, mask: torch.Tensor, query_positions: torch.Tensor,
-                       key_positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+def windowed_attention(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                       window: int | None, per_layer_type: bool) -> torch.Tensor | dict[str, torch.Tensor]:
     """The tree's attention mask for a target with sliding-window layers.
 
     Args:
-        config: the target's config (``sliding_window``, ``layer_types``).
         mask: bool [1, 1, N, T] the tree mask (prefix and ancestors).
         query_positions: [N] absolute positions of the tree nodes.
         key_positions: [T] absolute positions of the cache entries and the nodes.
+        window: the target's ``sliding_window(config)``.
+        per_layer_type: whether the config lists ``layer_types`` (Qwen2/3, Gemma): its model then takes a
+            mapping from layer type to mask, and only its ``sliding_attention`` layers get the window.
 
     Returns:
-        ``mask`` unchanged without a window; the mask with keys W or more positions back hidden when every
-        layer slides; else a mapping from layer type to mask, which transformers' models take in place of
-        one mask.
+        ``mask`` unchanged without a window; else the mask with keys W or more positions back hidden, or the
+        mapping ``{"full_attention": mask, "sliding_attention": windowed}``.
     """
-    window = sliding_window(config)
     if window is None:
         return mask
     windowed = mask & (query_positions[:, None] - key_positions[None, :] < window)  # [1, 1, N, T]
-    types = getattr(config, "layer_types", None)
-    if types is None or all(t == "sliding_attention" for t in types):
-        return windowed
-    return {"full_attention": mask, "sliding_attention": windowed}
+    return {"full_attention": mask, "sliding_attention": windowed} if per_layer_type else windowed
 
 
 def lm_head_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

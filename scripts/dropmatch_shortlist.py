@@ -97,9 +97,9 @@ def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generat
         counts["rounds"] += 1
         counts["accepted"] += len(path) - 1
         counts["argmax_is_child"] += int(is_child.sum())
-        counts["argmax_is_other_child"] += int((is_child & (full != first_argmax(logits)[samples.node])).sum())
-        nodes = children.any(dim=-1)  # [N] nodes with children
         undropped = first_argmax(logits)[samples.node]  # [P] the undropped token at each row's node
+        counts["argmax_is_other_child"] += int((is_child & (full != undropped)).sum())
+        nodes = children.any(dim=-1)  # [N] nodes with children
         for m in shortlists:
             ids = shortlist_ids(logits, nodes, tokens, m)  # [U]
             short = ids[first_argmax(shortlist_logits(lm_head, samples.inputs, ids))]  # [P]

@@ -27,6 +27,8 @@ FAMILIES = {
     "mistral-window": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW)),
     "qwen2-some-layers-window": lambda: Qwen2ForCausalLM(Qwen2Config(
         **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=4)),
+    "qwen2-every-layer-window": lambda: Qwen2ForCausalLM(Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)),
     "qwen3-some-layers-window": lambda: Qwen3ForCausalLM(Qwen3Config(
         **COMMON, head_dim=32, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=4)),
 }
@@ -92,11 +94,12 @@ def test_windowed_attention_per_layer_type():
     queries = torch.tensor([10, 11])
     keys = torch.arange(12)
     llama_like = Qwen2Config(**COMMON)
-    assert sliding_window(llama_like) is None and windowed_attention(llama_like, mask, queries, keys) is mask
-    every = MistralConfig(**COMMON, sliding_window=4)
-    windowed = windowed_attention(every, mask, queries, keys)
+    assert sliding_window(llama_like) is None
+    assert windowed_attention(mask, queries, keys, sliding_window(llama_like), True) is mask
+    every = MistralConfig(**COMMON, sliding_window=4)  # no layer_types: one mask for every layer
+    windowed = windowed_attention(mask, queries, keys, sliding_window(every), False)
     assert windowed[0, 0].nonzero().tolist() == [[0, 7], [0, 8], [0, 9], [0, 10], [0, 11],
                                                   [1, 8], [1, 9], [1, 10], [1, 11]]
     some = Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=4)
-    per_type = windowed_attention(some, mask, queries, keys)
+    per_type = windowed_attention(mask, queries, keys, sliding_window(some), True)
     assert per_type["full_attention"] is mask and torch.equal(per_type["sliding_attention"], windowed)
