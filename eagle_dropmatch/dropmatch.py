@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import choose_tokens
-from .verify import lm_head_logits
+from .verify import TargetLMHead, lm_head_logits
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,12 @@ def dropout_inputs(hidden: torch.Tensor, nodes: torch.Tensor, cfg: DropMatchConf
     return DropoutSamples(sample, node, hidden[node] * masks[sample, node], cfg.k)
 
 
-def lm_head_with_samples(lm_head: torch.nn.Module, hidden: torch.Tensor,
+def lm_head_with_samples(lm_head: TargetLMHead, hidden: torch.Tensor,
                          dropped: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Undropped and dropout-sample logits from ONE LM-head matmul, so the weight is read once.
 
     Args:
-        lm_head: the target's output embedding.
+        lm_head: the target's LM head (with its logit transform).
         hidden: [N, H] undropped inputs.
         dropped: [P, H] dropped inputs (``DropoutSamples.inputs``), or None (DropMatch off).
 
@@ -199,11 +199,11 @@ def shortlist_ids(logits: torch.Tensor, nodes: torch.Tensor, draft_tokens: torch
     return torch.cat([top.flatten(), draft_tokens]).unique()  # [U], sorted
 
 
-def shortlist_logits(lm_head: torch.nn.Module, dropped: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def shortlist_logits(lm_head: TargetLMHead, dropped: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """[P, H] dropped inputs -> [P, U] their logits for the tokens ``ids`` only (the rows of W gathered)."""
     bias = None if lm_head.bias is None else lm_head.bias.index_select(0, ids)
     rows = lm_head.weight.index_select(0, ids)  # [U, H]; on this CPU 6x faster than weight[ids]
-    return torch.nn.functional.linear(dropped, rows, bias)
+    return lm_head.transform(torch.nn.functional.linear(dropped, rows, bias))
 
 
 def tokens_of_samples(sample_logits: torch.Tensor, samples: DropoutSamples, nodes: torch.Tensor,

@@ -24,8 +24,8 @@ from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, 
                         tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
-from .verify import (compact_cache, decoder_of, lm_head_logits, new_cache, sliding_window, target_forward,
-                     windowed_attention)
+from .verify import (TargetLMHead, compact_cache, decoder_of, lm_head_logits, mask_in_dtype, new_cache,
+                     sliding_window, target_forward, tree_mask_dtype, windowed_attention)
 
 
 @dataclass(frozen=True)
@@ -141,11 +141,12 @@ class SpeculativeDecoder:
         self.aux_layer_ids = aux_layer_ids
         self.eos_token_ids = tuple(eos_token_ids)
         self.decoder = decoder_of(target)
-        self.lm_head = target.get_output_embeddings()
+        self.lm_head = TargetLMHead(target.get_output_embeddings(), target.config)  # the output embedding and the target's own logit transform
         self.device = self.lm_head.weight.device
         self.max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 30
         self.window = sliding_window(target.config)
         self.mask_per_layer_type = getattr(target.config, "layer_types", None) is not None
+        self.mask_dtype = tree_mask_dtype(target)  # bool for SDPA, the model's float dtype for eager
 
     # ------------------------------------------------------------------------------- helpers
 
@@ -154,13 +155,14 @@ class SpeculativeDecoder:
 
     def _tree_mask(self, tree: DraftTree, prefix: int):
         """The verification forward's attention mask: the tree's, with the target's sliding window once the
-        sequence outgrows it (a mapping per layer type where the config lists them)."""
+        sequence outgrows it (a mapping per layer type where the config lists them), in the form the
+        target's attention takes."""
         mask = tree.attention_mask(prefix)  # [1, 1, N, prefix + N]
-        if self.window is None or prefix + len(tree) <= self.window:
-            return mask
-        positions = prefix + tree.depths  # [N]
-        keys = torch.cat([torch.arange(prefix, device=positions.device), positions])  # [prefix + N]
-        return windowed_attention(mask, positions, keys, self.window, self.mask_per_layer_type)
+        if self.window is not None and prefix + len(tree) > self.window:
+            positions = prefix + tree.depths  # [N]
+            keys = torch.cat([torch.arange(prefix, device=positions.device), positions])  # [prefix + N]
+            mask = windowed_attention(mask, positions, keys, self.window, self.mask_per_layer_type)
+        return mask_in_dtype(mask, self.mask_dtype)
 
     def _check_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(self.device)

@@ -329,6 +329,9 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_tokenizers(tokenizer, draft_tokenizer)
         except DraftModelError as exc:
             raise LoadError(str(exc)) from None
-    decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
+    try:
+        decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
+    except ValueError as exc:  # an attention implementation that takes no tree mask
+        raise LoadError(f"cannot serve {model_path}: {exc}") from None
     return EagleModel(target, tokenizer, head, decoder, draft)
 

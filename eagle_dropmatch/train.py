@@ -29,12 +29,14 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .head import DraftCache, Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, save_head
 from .loading import chat_template_ids
+from .verify import TargetLMHead
 
 TOPIC_SEEDS = [
     "cooking", "travel", "personal finance", "physics", "history", "poetry", "programming in Python",
@@ -261,14 +263,22 @@ def compute_features(target, examples: list[dict], aux: list[int], work: Path, s
 
 # ---------------------------------------------------------------------------- training
 
-def draft_lm_head_weight(head: Eagle3Head, target, dtype: torch.dtype) -> torch.Tensor:
-    """The target's LM-head rows of the head's draft vocabulary, [Vd, H] (the soft targets' weight)."""
+def draft_vocab_logits(head: Eagle3Head, target, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The soft targets' logits: final hidden states [rows, H] -> the target's fp32 logits over the head's
+    draft vocabulary [rows, Vd], from its LM-head rows (kept in ``dtype``) and bias, then the target's own
+    logit transform (``TargetLMHead``: Cohere's scale, Gemma's soft cap, ...)."""
     draft_ids = head.to_target_ids(torch.arange(head.cfg.draft_vocab_size))
-    return target.get_output_embeddings().weight[draft_ids].detach().to(dtype)
+    lm_head = TargetLMHead(target.get_output_embeddings(), target.config)
+    weight = lm_head.weight[draft_ids].detach().to(dtype)  # [Vd, H]
+    bias = None if lm_head.bias is None else lm_head.bias[draft_ids].detach().float()
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return lm_head.transform(torch.nn.functional.linear(hidden.float(), weight.float(), bias))
+    return logits
 
 
 def ttt_loss(head: Eagle3Head, features: torch.Tensor, input_ids: torch.Tensor, target_hidden: torch.Tensor,
-             loss_mask: torch.Tensor, draft_weight: torch.Tensor, steps: int,
+             loss_mask: torch.Tensor, target_logits_of: Callable[[torch.Tensor], torch.Tensor], steps: int,
              ) -> tuple[torch.Tensor, list[float], list[int]]:
     """Training-time-test loss of one sequence.
 
@@ -276,7 +286,8 @@ def ttt_loss(head: Eagle3Head, features: torch.Tensor, input_ids: torch.Tensor, 
         head: the head being trained.
         features: [S, 3H] target features; input_ids: [S]; target_hidden: [S, H] final hidden states.
         loss_mask: bool [S], True where the token is an assistant token in the draft vocabulary.
-        draft_weight: [Vd, H] the target's LM-head rows of the draft vocabulary.
+        target_logits_of: [rows, H] final hidden states -> [rows, Vd] the target's logits over the draft
+            vocabulary (``draft_vocab_logits``).
         steps: number of TTT steps k = 0..steps-1.
 
     Returns:
@@ -302,7 +313,7 @@ def ttt_loss(head: Eagle3Head, features: torch.Tensor, input_ids: torch.Tensor, 
         logp = torch.log_softmax(head.logits(out[0]).float(), dim=-1)  # [rows, Vd]
         target_rows = idx.clamp(max=s - 1)
         with torch.no_grad():
-            target_logits = target_hidden[target_rows].float() @ draft_weight.float().T  # [rows, Vd]
+            target_logits = target_logits_of(target_hidden[target_rows])  # [rows, Vd]
             target_p = torch.softmax(target_logits, dim=-1)
         weight = (valid & loss_mask[(idx + 1).clamp(max=s - 1)]).float()
         n = weight.sum()
@@ -388,7 +399,7 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
         log(f"resumed from {ckpt} at epoch {state['epoch']}, example {state['index']}")
-    draft_weight = draft_lm_head_weight(head, target, torch.bfloat16)
+    target_logits_of = draft_vocab_logits(head, target, torch.bfloat16)
     t2d = head.t2d.clone()
     shards = sorted(work.glob("features_*.pt"))
     n = len(examples)
@@ -423,7 +434,7 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
                 continue
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss, accs, counts = ttt_loss(head, feat["features"][:max_seq].float(), ids,
-                                              feat["hidden"][:max_seq].float(), mask, draft_weight, steps)
+                                              feat["hidden"][:max_seq].float(), mask, target_logits_of, steps)
             (loss * len(ids) / batch_tokens).backward()
             tokens += len(ids)
             for k in range(steps):
@@ -461,12 +472,12 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
 def evaluate_head(head: Eagle3Head, target, examples: list[dict], feature_rows: list[dict],
                   steps: int) -> list[float]:
     """Teacher-forced acc_0..acc_k of the head on held-out examples (top-1 vs the target's argmax)."""
-    draft_weight = draft_lm_head_weight(head, target, torch.float32)
+    target_logits_of = draft_vocab_logits(head, target, torch.float32)
     acc, cnt = [0.0] * steps, [0] * steps
     for ex, feat in zip(examples, feature_rows):
         mask = ex["loss_mask"] & head.t2d[ex["input_ids"].long()]
         _, accs, counts = ttt_loss(head.float(), feat["features"].float(), ex["input_ids"].long(),
-                                   feat["hidden"].float(), mask, draft_weight, steps)
+                                   feat["hidden"].float(), mask, target_logits_of, steps)
         for k in range(steps):
             acc[k] += accs[k] * counts[k]
             cnt[k] += counts[k]

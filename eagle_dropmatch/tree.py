@@ -68,15 +68,11 @@ class DraftTree:
         has_children[safe_parents[1:]] = True
         return cls(tokens, parents, depths, ancestors, has_children)
 
-    def attention_mask(self, prefix_len: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
-        """[1, 1, N, prefix_len + N] mask: full view of the committed prefix, ancestors in the tree."""
+    def attention_mask(self, prefix_len: int) -> torch.Tensor:
+        """bool [1, 1, N, prefix_len + N] (True = attend): the whole committed prefix, ancestors in the tree."""
         n = len(self)
         prefix = torch.ones(n, prefix_len, dtype=torch.bool, device=self.tokens.device)
-        mask = torch.cat([prefix, self.ancestors], dim=1)[None, None]
-        if dtype == torch.bool:
-            return mask
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-            ~mask, torch.finfo(dtype).min)
+        return torch.cat([prefix, self.ancestors], dim=1)[None, None]
 
     def retrieve_indices(self) -> torch.Tensor:
         """Root-to-leaf paths [num_leaves, max_depth + 1], padded with -1 (the official layout)."""

@@ -15,9 +15,10 @@ from transformers import DynamicCache
 def decoder_of(target: nn.Module) -> nn.Module:
     """The transformer body of a causal LM (``target.model`` for Llama-style models)."""
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    for name in (getattr(target, "base_model_prefix", "model"), "model"):  # Llama 4's prefix names no attribute
+        if decoder is None or decoder is target:
+            decoder = getattr(target, name, None)
     if decoder is None or decoder is target:
-        decoder = getattr(target, getattr(target, "base_model_prefix", "model"), None)
-    if decoder is None:
         raise TypeError(f"{type(target).__name__} exposes no decoder body")
     return decoder
 
@@ -95,7 +96,74 @@ def windowed_attention(mask: torch.Tensor, query_positions: torch.Tensor, key_po
     return {"full_attention": mask, "sliding_attention": windowed} if per_layer_type else windowed
 
 
-def lm_head_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def tree_mask_dtype(target: nn.Module) -> torch.dtype:
+    """The dtype in which the target's attention takes a custom 4-D mask such as the tree's.
+
+    Transformers passes a 4-D mask to the attention unchanged. SDPA takes it as booleans (True = attend).
+    Eager attention (Gemma 2's and gpt-oss's default) adds it to the scores, so it takes the model's float
+    dtype (0 = attend, the dtype's minimum = hidden): booleans there would add 1 and 0 and hide nothing.
+
+    Raises:
+        ValueError: the implementation takes no custom 4-D mask (flash attention, flex attention).
+    """
+    implementation = getattr(target.config, "_attn_implementation", None) or "eager"
+    if implementation == "sdpa":
+        return torch.bool
+    if implementation == "eager":
+        return target.dtype
+    raise ValueError(f"the target's attention implementation {implementation!r} takes no custom 4-D mask, "
+                     f"which tree verification needs: load it with attn_implementation='sdpa' or 'eager'")
+
+
+def mask_in_dtype(mask: torch.Tensor | dict[str, torch.Tensor],
+                  dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A boolean mask (True = attend), or a mapping of them per layer type, in ``tree_mask_dtype``'s form."""
+    if isinstance(mask, dict):
+        return {kind: mask_in_dtype(m, dtype) for kind, m in mask.items()}
+    if dtype == torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+class TargetLMHead:
+    """The target's LM head followed by what its causal-LM forward does to the head's output.
+
+    Cohere multiplies the logits by ``logit_scale``, Granite divides them by ``logits_scaling``, and Gemma 2/3
+    (and others) soft-cap them at ``final_logit_softcapping``, after an ``output_multiplier`` where the config
+    has one. These keep the order of a row's logits, so greedy decoding and DropMatch's match rule do not
+    depend on them, but sampling at T > 0, the js rule and a trained head's soft targets do. For models
+    without any (Llama, Qwen, Mistral, SmolLM2, ...) ``transform`` returns its input.
+
+    Args:
+        linear: the output embedding (``target.get_output_embeddings()``); weight [V, H] and bias [V] or None
+            are its.
+        config: the target's config, or None for no transform.
+    """
+
+    def __init__(self, linear: nn.Module, config=None):
+        self.linear = linear
+        self.weight, self.bias = linear.weight, linear.bias
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.multiplier = getattr(config, "logit_scale", None) or getattr(config, "output_multiplier", None)
+        self.divisor = getattr(config, "logits_scaling", None)
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] raw head output -> the logits the target's own forward returns (the same operations)."""
+        if self.multiplier is not None and self.multiplier != 1:
+            logits = logits * self.multiplier
+        if self.divisor is not None and self.divisor != 1:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, H] final hidden states -> [S, V] logits."""
+        return self.transform(self.linear(hidden))
+
+
+def lm_head_logits(lm_head: TargetLMHead | nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """[S, H] -> [S, V] logits of the undropped head."""
     return lm_head(hidden)
 

@@ -80,7 +80,7 @@ def watch_rounds(on_round):
 
 def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generate_kwargs) -> dict:
     """Rows, rounds, rows whose argmax is a child, and for each M what the shortlist rule decides differently."""
-    lm_head = model.target.get_output_embeddings()
+    lm_head = model.decoder.lm_head  # the target's LM head and logit transform, as the engine reads it
     counts = {"rows": 0, "rounds": 0, "accepted": 0, "argmax_is_child": 0, "argmax_is_other_child": 0,
               **{key: {m: 0 for m in shortlists} for key in ("shortlist_size", "rows_differ", "rounds_differ",
                                                              "accepted_change", "rows_unsettled",

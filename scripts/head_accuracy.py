@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_dropmatch.head import DraftCache  # noqa: E402
 from eagle_dropmatch.loading import LoadError, load  # noqa: E402
 from eagle_dropmatch.resources import ResourceError  # noqa: E402
-from eagle_dropmatch.train import draft_lm_head_weight, ttt_loss  # noqa: E402
+from eagle_dropmatch.train import draft_vocab_logits, ttt_loss  # noqa: E402
 from eagle_dropmatch.verify import decoder_of, target_forward  # noqa: E402
 from evaluation.answers import load_answers  # noqa: E402
 from evaluation.common import EvalError  # noqa: E402
@@ -63,8 +63,8 @@ def step0_predictions(target, head, features: torch.Tensor, final: torch.Tensor,
 
 @torch.no_grad()
 def turn_accuracy(target, head, aux: list[int], prompt: list[int], answer: list[int], steps: int,
-                  draft_weight: torch.Tensor) -> dict:
-    """Hit counts of one turn (``draft_weight``: ``train.draft_lm_head_weight`` of the head, fp32).
+                  target_logits_of) -> dict:
+    """Hit counts of one turn (``target_logits_of``: ``train.draft_vocab_logits`` of the head, fp32).
 
     Returns:
         {"acc": [steps] hits among in-vocabulary answer tokens, "n": [steps] counted positions,
@@ -75,7 +75,7 @@ def turn_accuracy(target, head, aux: list[int], prompt: list[int], answer: list[
     features, final = target_features(target, aux, ids)
     answer_mask = torch.zeros(len(ids), dtype=torch.bool)
     answer_mask[len(prompt):] = True
-    _, accs, counts = ttt_loss(head, features, ids, final, answer_mask & head.t2d[ids], draft_weight, steps)
+    _, accs, counts = ttt_loss(head, features, ids, final, answer_mask & head.t2d[ids], target_logits_of, steps)
     top2, greedy = step0_predictions(target, head, features, final, ids)
     scored = answer_mask[2:]  # position p + 2 of row p is an answer token
     return {"acc": [a * c for a, c in zip(accs, counts)], "n": counts,
@@ -93,7 +93,7 @@ def accuracy_over_file(model, answers, questions: dict, steps: int) -> dict:
     """
     head, meta = model.head.float(), answers.meta or {}
     vocab = model.target.get_output_embeddings().weight.shape[0]
-    draft_weight = draft_lm_head_weight(head, model.target, torch.float32)
+    target_logits_of = draft_vocab_logits(head, model.target, torch.float32)
     total = {"acc": [0.0] * steps, "n": [0] * steps, "top1": 0, "top2": 0, "tokens": 0, "in_vocab": 0}
     for key, answer in answers.answers.items():
         question = questions.get(key)
@@ -109,7 +109,7 @@ def accuracy_over_file(model, answers, questions: dict, steps: int) -> dict:
             prompt = prompt_ids(model.tokenizer, question["turns"], [x.text for x in answer.turns], t,
                                 system_prompt=meta.get("system_prompt"), conv_template=meta.get("conv_template"))
             counts = turn_accuracy(model.target, head, model.decoder.aux_layer_ids, prompt, turn.token_ids,
-                                   steps, draft_weight)
+                                   steps, target_logits_of)
             for k in range(steps):
                 total["acc"][k] += counts["acc"][k]
                 total["n"][k] += counts["n"][k]

@@ -9,6 +9,7 @@ from eagle_dropmatch.dropmatch import (DropMatchConfig, agreement_counts, dropou
                                        lm_head_with_samples, rescale_needed, shortlist_ids, shortlist_logits,
                                        tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
+from eagle_dropmatch.verify import TargetLMHead
 
 V = 10
 
@@ -177,7 +178,7 @@ def test_samples_that_drop_nothing_are_skipped_and_take_the_undropped_token():
 
 def test_one_matmul_gives_the_undropped_and_the_sample_logits():
     gen_data = torch.Generator().manual_seed(5)
-    lm_head = torch.nn.Linear(16, V, bias=True)
+    lm_head = TargetLMHead(torch.nn.Linear(16, V, bias=True))
     hidden = torch.randn(7, 16, generator=gen_data)
     samples = dropout_inputs(hidden, nodes_at(0, 1, 2, 5), DropMatchConfig(k=3, p=0.3),
                              torch.Generator().manual_seed(1))
@@ -204,7 +205,7 @@ def test_shortlist_holds_each_decision_nodes_top_tokens_and_the_drafts_sorted():
 def test_shortlist_sample_token_is_its_best_shortlisted_token():
     """A sample whose full argmax lies outside the shortlist takes its best token inside it (the approximation
     ``--dropmatch-shortlist`` makes); one whose argmax is inside gets the same token as the full rule."""
-    lm_head = torch.nn.Linear(2, V, bias=False)
+    lm_head = TargetLMHead(torch.nn.Linear(2, V, bias=False))
     with torch.no_grad():
         lm_head.weight.zero_()
         lm_head.weight[3] = torch.tensor([1.0, 0.0])   # the undropped favourite: reads dimension 0
@@ -250,7 +251,7 @@ def test_a_sample_that_drops_nothing_is_bit_identical_in_bf16():
     # Why an uncomputed sample may take the undropped token: computed, its row is bit for bit the undropped one.
     gen_data = torch.Generator().manual_seed(3)
     hidden = (torch.randn(7, 16, generator=gen_data) * 4).to(torch.bfloat16)
-    lm_head = torch.nn.Linear(16, V, bias=False).to(torch.bfloat16)
+    lm_head = TargetLMHead(torch.nn.Linear(16, V, bias=False).to(torch.bfloat16))
     nothing_dropped = dropout_masks(5, hidden, 0.01, 16, torch.Generator().manual_seed(0), rescale=False)
     assert (nothing_dropped == 1).all()  # every dimension protected
     with torch.no_grad():

@@ -1,16 +1,23 @@
 """Targets other than Llama, unmodified: Qwen2 (attention biases), Qwen3 (q/k norms, explicit head_dim),
-Mistral, and sliding-window attention on all layers or on some (the window is applied in the tree mask)."""
+Mistral, sliding-window attention on all layers or on some (the window is applied in the tree mask), eager
+attention (Gemma 2's default; it adds the mask to the scores), and targets that transform their logits after
+the LM head (Gemma 2's soft cap, Cohere's scale, Granite's divisor)."""
 
 import pytest
 import torch
-from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM,
+                          Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
 from eagle_dropmatch.draft_model import ModelDrafter
 from eagle_dropmatch.drafters import Eagle3Drafter
 from eagle_dropmatch.dropmatch import DropMatchConfig
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
-from eagle_dropmatch.verify import sliding_window, windowed_attention
+from eagle_dropmatch.loading import LoadError, load
+from eagle_dropmatch.train import draft_vocab_logits
+from eagle_dropmatch.verify import decoder_of, sliding_window, target_forward, windowed_attention
 
 from conftest import OracleDrafter, greedy_reference, noisy_copy, tiny_head
 
@@ -31,7 +38,20 @@ FAMILIES = {
         **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)),
     "qwen3-some-layers-window": lambda: Qwen3ForCausalLM(Qwen3Config(
         **COMMON, head_dim=32, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=4)),
+    "llama-eager": lambda: LlamaForCausalLM(LlamaConfig(**COMMON, attn_implementation="eager")),
+    # eager by default; soft caps on the attention scores and the logits; every other layer slides
+    "gemma2-window": lambda: Gemma2ForCausalLM(Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW,
+                                                            final_logit_softcapping=0.5)),
+    "cohere": lambda: CohereForCausalLM(CohereConfig(**COMMON, logit_scale=0.25)),
+    "granite": lambda: GraniteForCausalLM(GraniteConfig(**COMMON, logits_scaling=4.0)),
+    "gemma3-window": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=WINDOW)),
+    # eager by default (attention sinks), mixture of experts, every other layer slides
+    "gpt-oss-window": lambda: GptOssForCausalLM(GptOssConfig(**COMMON, head_dim=16, num_local_experts=4,
+                                                             sliding_window=WINDOW, rope_parameters=None)),
+    "phi": lambda: PhiForCausalLM(PhiConfig(**COMMON)),  # a bias on the LM head
+    "llama4-text": lambda: Llama4ForCausalLM(Llama4TextConfig(**COMMON)),  # its base_model_prefix names no module
 }
+LOGIT_TRANSFORMS = ["gemma2-window", "cohere", "granite"]
 
 
 def build(name: str):
@@ -103,3 +123,65 @@ def test_windowed_attention_per_layer_type():
     some = Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=4)
     per_type = windowed_attention(mask, queries, keys, sliding_window(some), True)
     assert per_type["full_attention"] is mask and torch.equal(per_type["sliding_attention"], windowed)
+
+
+def test_eager_attention_takes_the_tree_mask_as_additive_floats():
+    """Eager attention adds a 4-D mask to the scores: as booleans the tree's mask would add 1 and 0 and hide
+    nothing, and the output would differ from the model's own (it did before the mask took the float form)."""
+    target = build("llama-eager")
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    assert engine.mask_dtype == torch.float32
+    reference = greedy_reference(target, prompt(), NEW)
+    engine.mask_dtype = torch.bool
+    out = engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=NEW))
+    assert out.token_ids != reference
+
+
+@pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
+def test_attention_without_custom_masks_is_refused_with_one_line(implementation):
+    target = build("llama-eager")
+    target.config._attn_implementation = implementation
+    with pytest.raises(ValueError, match=f"'{implementation}' takes no custom 4-D mask.*sdpa"):
+        SpeculativeDecoder(target, [2, 4, 5])
+
+
+def test_load_turns_an_unservable_attention_into_a_load_error(tiny_model_dir, monkeypatch):
+    import eagle_dropmatch.loading as loading
+    real = loading.load_target
+
+    def flex_target(*args, **kwargs):
+        target, tokenizer = real(*args, **kwargs)
+        target.config._attn_implementation = "flex_attention"
+        return target, tokenizer
+    monkeypatch.setattr(loading, "load_target", flex_target)
+    with pytest.raises(LoadError, match="flex_attention"):
+        load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32")
+
+
+@pytest.mark.parametrize("name", LOGIT_TRANSFORMS)
+def test_the_engine_reads_the_logits_the_target_returns(name):
+    """Sampling at T > 0, the js rule and the trainer's soft targets need the target's own logits, after
+    its transform of the LM head's output; a bare LM head would give other ones."""
+    target = build(name)
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    ids = prompt()[None]
+    with torch.no_grad():
+        own = target(ids).logits[0]  # [S, V]
+        hidden, _ = target_forward(decoder_of(target), ids, torch.arange(ids.shape[1])[None], None, None, None)
+        bare = target.get_output_embeddings()(hidden)
+    assert torch.allclose(engine.lm_head(hidden), own, atol=1e-5)
+    assert not torch.allclose(bare, own, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", LOGIT_TRANSFORMS + ["phi"])
+def test_soft_targets_are_the_targets_own_logits_over_the_draft_vocabulary(name):
+    """The trainer's soft targets: the target's LM-head rows of the draft vocabulary, with the head's bias
+    (Phi has one) and the target's logit transform."""
+    target = build(name)
+    ids = prompt()[None]
+    with torch.no_grad():
+        own = target(ids).logits[0]  # [S, V]
+        hidden, _ = target_forward(decoder_of(target), ids, torch.arange(ids.shape[1])[None], None, None, None)
+    head = tiny_head(target, seed=3, draft_vocab=48)
+    soft = draft_vocab_logits(head, target, torch.float32)(hidden)  # [S, 48]
+    assert torch.allclose(soft, own[:, head.to_target_ids(torch.arange(48))], atol=1e-5)

@@ -128,13 +128,13 @@ def test_training_lowers_the_loss_and_the_head_serves_exactly(tiny, tmp_path):
     train.compute_features(target, examples, aux, tmp_path, shard_size=8)
     draft_ids, _ = train.build_draft_vocab(examples, 40, target.config.vocab_size)
     head = train.init_head_for_target(target, draft_ids, aux, seed=0)
-    draft_weight = target.lm_head.weight[draft_ids].detach()
+    target_logits_of = train.draft_vocab_logits(head, target, torch.float32)
     feats = [f for shard in sorted(tmp_path.glob("features_*.pt")) for f in torch.load(shard)]
 
     def mean_loss():
         with torch.no_grad():
             losses = [train.ttt_loss(head, f["features"].float(), e["input_ids"].long(), f["hidden"].float(),
-                                     e["loss_mask"] & head.t2d[e["input_ids"].long()], draft_weight, 3)[0]
+                                     e["loss_mask"] & head.t2d[e["input_ids"].long()], target_logits_of, 3)[0]
                       for e, f in zip(examples, feats)]
         return float(torch.stack(losses).mean())
 
