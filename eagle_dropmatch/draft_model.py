@@ -19,7 +19,7 @@ import torch
 from .acceptance import distribution
 from .drafters import Drafter, chain_tree
 from .tree import DraftTree
-from .verify import crop_cache, new_cache
+from .verify import check_layer_types, crop_cache, new_cache
 
 #: strings whose ids must agree between the target's and the draft's tokenizers.
 SAMPLE_STRINGS = (
@@ -74,6 +74,7 @@ class ModelDrafter(Drafter):
                  temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0, seed: int = 0):
         if length < 1:
             raise ValueError(f"draft length must be >= 1, got {length}")
+        check_layer_types(model.config, "draft model")  # a rejection crops its cache
         self.model, self.length = model, length
         self.max_nodes = length + 1
         self.vocab_size = vocab_size or model.get_output_embeddings().weight.shape[0]

@@ -24,8 +24,9 @@ from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, 
                         tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
-from .verify import (TargetLMHead, compact_cache, decoder_of, lm_head_logits, mask_in_dtype, new_cache,
-                     sliding_window, target_forward, tree_mask_dtype, windowed_attention)
+from .verify import (TargetLMHead, attention_chunk, check_tree_verification, compact_cache, decoder_of,
+                     lm_head_logits, local_attention, mask_in_dtype, new_cache, sliding_window, target_forward,
+                     tree_mask_dtype)
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,9 @@ class SpeculativeDecoder:
         self.device = self.lm_head.weight.device
         self.max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 30
         self.window = sliding_window(target.config)
+        self.chunk = attention_chunk(target.config)
         self.mask_per_layer_type = getattr(target.config, "layer_types", None) is not None
-        self.mask_dtype = tree_mask_dtype(target)  # bool for SDPA, the model's float dtype for eager
+        self.mask_dtype = tree_mask_dtype(target)  # bool for SDPA, the model's float dtype for eager, else None
 
     # ------------------------------------------------------------------------------- helpers
 
@@ -154,14 +156,17 @@ class SpeculativeDecoder:
         return new_cache(self.target.config)
 
     def _tree_mask(self, tree: DraftTree, prefix: int):
-        """The verification forward's attention mask: the tree's, with the target's sliding window once the
-        sequence outgrows it (a mapping per layer type where the config lists them), in the form the
-        target's attention takes."""
+        """The verification forward's attention mask: the tree's, with the target's sliding window and attention
+        chunks once the sequence outgrows them (a mapping per layer type where the config lists them), in
+        the form the target's attention takes."""
         mask = tree.attention_mask(prefix)  # [1, 1, N, prefix + N]
-        if self.window is not None and prefix + len(tree) > self.window:
+        length = prefix + len(tree)
+        window = self.window if self.window is not None and length > self.window else None
+        chunk = self.chunk if self.chunk is not None and length > self.chunk else None
+        if window is not None or chunk is not None:
             positions = prefix + tree.depths  # [N]
             keys = torch.cat([torch.arange(prefix, device=positions.device), positions])  # [prefix + N]
-            mask = windowed_attention(mask, positions, keys, self.window, self.mask_per_layer_type)
+            mask = local_attention(mask, positions, keys, window, chunk, self.mask_per_layer_type)
         return mask_in_dtype(mask, self.mask_dtype)
 
     def _check_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -253,6 +258,7 @@ class SpeculativeDecoder:
         Returns:
             The generated turn with per-round statistics.
         """
+        check_tree_verification(self.target)  # plain decoding serves any causal LM; a tree needs more
         timer = timer or _NoTimer()
         dm = cfg.dropmatch
         rule = make_rule(dm.rule, dm.rule_top_k) if dm.lossy else exact

@@ -25,6 +25,7 @@ from .drafters import Drafter, Eagle3Drafter
 from .dropmatch import DropMatchConfig, check_shortlist
 from .generate import DecodeConfig, Generation, RoundTimer, SpeculativeDecoder
 from .head import Eagle3Head, HeadError, check_aux_layer_ids, default_aux_layer_ids, load_head
+from .verify import check_layer_types, check_tree_verification
 
 RULE_NAMES = ("match", "js", "topk")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -329,9 +330,13 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_tokenizers(tokenizer, draft_tokenizer)
         except DraftModelError as exc:
             raise LoadError(str(exc)) from None
-    try:
-        decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
-    except ValueError as exc:  # an attention implementation that takes no tree mask
-        raise LoadError(f"cannot serve {model_path}: {exc}") from None
+    try:  # plain decoding serves any causal LM; speculative decoding needs what check_tree_verification checks
+        if head is not None or draft is not None:
+            check_tree_verification(target)
+        if draft is not None:
+            check_layer_types(draft.config, "draft model")
+    except ValueError as exc:
+        raise LoadError(f"cannot decode {model_path} speculatively: {exc}") from None
+    decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
     return EagleModel(target, tokenizer, head, decoder, draft)
 

@@ -36,7 +36,7 @@ def target_forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: to
         cache: a transformers ``DynamicCache`` holding the committed prefix (S entries are appended), or
             None to read a whole sequence without keeping a cache (training features).
         attention_mask: bool [1, 1, S, prefix + S] (True = attend), a mapping from layer type to such masks
-            (``windowed_attention``), or None for causal.
+            (``local_attention``), or None for causal.
         aux_layer_ids: which ``hidden_states`` to return as draft features, or None for none.
 
     Returns:
@@ -53,6 +53,20 @@ def target_forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: to
     return hidden, features
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def check_layer_types(config, role: str = "target") -> None:
+    """Refuse a target with layers that keep a recurrent state instead of a KV cache (Mamba, linear attention,
+    their hybrids: Jamba, Qwen3-Next, Qwen3.5, Falcon-H1, ...): a tree's branches would all run through one
+    state, and neither the state of an accepted path nor a draft model's state before a rejection could be
+    kept. Raises ValueError naming the layer type and ``role`` ("target", "draft model")."""
+    others = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
+    if others:
+        raise ValueError(f"the {role} has {', '.join(repr(t) for t in others)} layers, which keep a recurrent "
+                         "state that tree verification cannot branch; the engine serves attention-only targets")
+
+
 def sliding_window(config) -> int | None:
     """The window W of a target whose layers (some or all) attend only to their last W positions, else None."""
     window = getattr(config, "sliding_window", None)
@@ -64,55 +78,81 @@ def sliding_window(config) -> int | None:
     return int(window)
 
 
+def attention_chunk(config) -> int | None:
+    """The chunk C of a target whose layers (some or all) attend only inside their own block of C positions
+    (Llama 4's ``attention_chunk_size``), else None."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None)
+    if chunk is None or (types is not None and "chunked_attention" not in types):
+        return None
+    return int(chunk)
+
+
 def new_cache(config) -> DynamicCache:
     """An empty KV cache that keeps every entry, for the target or a draft model.
 
-    Compaction and cropping address entries by position, so a sliding-window target gets full layers too
-    (``DynamicCache(config=...)`` would drop entries older than the window); its window is applied in the
-    attention masks instead (``windowed_attention``; the model builds it itself when given no mask).
+    Compaction and cropping address entries by position, so a target with sliding-window or chunked layers
+    gets full layers too (``DynamicCache(config=...)`` would drop entries outside the window or chunk); the
+    window and chunks are applied in the attention masks instead (``local_attention``; the model builds them
+    itself when given no mask).
     """
-    return DynamicCache() if sliding_window(config) is not None else DynamicCache(config=config)
+    local = sliding_window(config) is not None or attention_chunk(config) is not None
+    return DynamicCache() if local else DynamicCache(config=config)
 
 
-def windowed_attention(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
-                       window: int | None, per_layer_type: bool) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The tree's attention mask for a target with sliding-window layers.
+def local_attention(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                    window: int | None, chunk: int | None,
+                    per_layer_type: bool) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The tree's attention mask for a target with sliding-window or chunked layers.
 
     Args:
         mask: bool [1, 1, N, T] the tree mask (prefix and ancestors).
         query_positions: [N] absolute positions of the tree nodes.
         key_positions: [T] absolute positions of the cache entries and the nodes.
-        window: the target's ``sliding_window(config)``.
-        per_layer_type: whether the config lists ``layer_types`` (Qwen2/3, Gemma): its model then takes a
-            mapping from layer type to mask, and only its ``sliding_attention`` layers get the window.
+        window: W from ``sliding_window(config)``, or None.
+        chunk: C from ``attention_chunk(config)``, or None.
+        per_layer_type: whether the config lists ``layer_types`` (Qwen2/3, Gemma, Llama 4): its model then
+            takes a mapping from layer type to mask, and only its sliding (chunked) layers get the window (chunks).
 
     Returns:
-        ``mask`` unchanged without a window; else the mask with keys W or more positions back hidden, or the
-        mapping ``{"full_attention": mask, "sliding_attention": windowed}``.
+        Without ``layer_types``, the one mask every layer uses: keys W or more positions back hidden (HF's
+        ``kv > q - W``), or keys outside the query's chunk hidden (``kv // C == q // C``). With them, the
+        mapping ``{"full_attention": mask, "sliding_attention": ..., "chunked_attention": ...}``.
     """
-    if window is None:
-        return mask
-    windowed = mask & (query_positions[:, None] - key_positions[None, :] < window)  # [1, 1, N, T]
-    return {"full_attention": mask, "sliding_attention": windowed} if per_layer_type else windowed
+    masks = {kind: mask for kind in ATTENTION_LAYER_TYPES}
+    if window is not None:
+        masks["sliding_attention"] = mask & (query_positions[:, None] - key_positions[None, :] < window)
+    if chunk is not None:
+        masks["chunked_attention"] = mask & (query_positions[:, None] // chunk == key_positions[None, :] // chunk)
+    if per_layer_type:
+        return masks
+    return masks["sliding_attention"] if window is not None else masks["chunked_attention"]
 
 
-def tree_mask_dtype(target: nn.Module) -> torch.dtype:
-    """The dtype in which the target's attention takes a custom 4-D mask such as the tree's.
+def tree_mask_dtype(target: nn.Module) -> torch.dtype | None:
+    """The dtype in which the target's attention takes a custom 4-D mask such as the tree's, or None.
 
     Transformers passes a 4-D mask to the attention unchanged. SDPA takes it as booleans (True = attend).
     Eager attention (Gemma 2's and gpt-oss's default) adds it to the scores, so it takes the model's float
     dtype (0 = attend, the dtype's minimum = hidden): booleans there would add 1 and 0 and hide nothing.
-
-    Raises:
-        ValueError: the implementation takes no custom 4-D mask (flash attention, flex attention).
+    Flash and flex attention take no custom 4-D mask (None).
     """
     implementation = getattr(target.config, "_attn_implementation", None) or "eager"
     if implementation == "sdpa":
         return torch.bool
     if implementation == "eager":
         return target.dtype
-    raise ValueError(f"the target's attention implementation {implementation!r} takes no custom 4-D mask, "
-                     f"which tree verification needs: load it with attn_implementation='sdpa' or 'eager'")
+    return None
+
+
+def check_tree_verification(target: nn.Module) -> None:
+    """Raise ValueError, in one line, where one forward cannot verify a tree: layers with a recurrent state
+    (``check_layer_types``), or an attention implementation that takes no custom 4-D mask."""
+    check_layer_types(target.config)
+    if tree_mask_dtype(target) is None:
+        implementation = target.config._attn_implementation
+        raise ValueError(f"the target's attention implementation {implementation!r} takes no custom 4-D mask, "
+                         f"which tree verification needs: load it with attn_implementation='sdpa' or 'eager'")
 
 
 def mask_in_dtype(mask: torch.Tensor | dict[str, torch.Tensor],

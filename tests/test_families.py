@@ -1,11 +1,12 @@
 """Targets other than Llama, unmodified: Qwen2 (attention biases), Qwen3 (q/k norms, explicit head_dim),
-Mistral, sliding-window attention on all layers or on some (the window is applied in the tree mask), eager
+Mistral, sliding-window attention on all layers or on some and Llama 4's chunked attention (the window and
+the chunks are applied in the tree mask), eager
 attention (Gemma 2's default; it adds the mask to the scores), and targets that transform their logits after
 the LM head (Gemma 2's soft cap, Cohere's scale, Granite's divisor)."""
 
 import pytest
 import torch
-from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+from transformers import (CohereConfig, CohereForCausalLM, JambaConfig, JambaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
                           Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM,
                           Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
@@ -17,7 +18,7 @@ from eagle_dropmatch.dropmatch import DropMatchConfig
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.loading import LoadError, load
 from eagle_dropmatch.train import draft_vocab_logits
-from eagle_dropmatch.verify import decoder_of, sliding_window, target_forward, windowed_attention
+from eagle_dropmatch.verify import attention_chunk, decoder_of, local_attention, sliding_window, target_forward
 
 from conftest import OracleDrafter, greedy_reference, noisy_copy, tiny_head
 
@@ -50,6 +51,7 @@ FAMILIES = {
                                                              sliding_window=WINDOW, rope_parameters=None)),
     "phi": lambda: PhiForCausalLM(PhiConfig(**COMMON)),  # a bias on the LM head
     "llama4-text": lambda: Llama4ForCausalLM(Llama4TextConfig(**COMMON)),  # its base_model_prefix names no module
+    "llama4-chunks-window": lambda: Llama4ForCausalLM(Llama4TextConfig(**COMMON, attention_chunk_size=WINDOW)),
 }
 LOGIT_TRANSFORMS = ["gemma2-window", "cohere", "granite"]
 
@@ -87,11 +89,11 @@ def test_eagle3_greedy_equals_plain_greedy_on_other_families(name):
 
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n.endswith("window")])
 def test_the_window_decides_these_outputs(name):
-    """Verifying the trees without the window gives another output: the test above checks the window."""
+    """Verifying the trees without the window (chunks) gives another output: the test above checks them."""
     target = build(name)
     engine = SpeculativeDecoder(target, [2, 4, 5])
-    assert engine.window == WINDOW
-    engine.window = None
+    assert WINDOW in (engine.window, engine.chunk)
+    engine.window = engine.chunk = None
     reference = greedy_reference(target, prompt(), NEW)
     out = engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=NEW))
     assert out.token_ids != reference
@@ -109,20 +111,24 @@ def test_a_draft_model_with_a_window_drafts_as_it_decodes():
     assert 1.0 < out.tau < 5.0  # some drafts rejected, some accepted
 
 
-def test_windowed_attention_per_layer_type():
+def test_local_attention_per_layer_type():
     mask = torch.ones(1, 1, 2, 12, dtype=torch.bool)
     queries = torch.tensor([10, 11])
     keys = torch.arange(12)
     llama_like = Qwen2Config(**COMMON)
-    assert sliding_window(llama_like) is None
-    assert windowed_attention(mask, queries, keys, sliding_window(llama_like), True) is mask
+    assert sliding_window(llama_like) is None and attention_chunk(llama_like) is None
     every = MistralConfig(**COMMON, sliding_window=4)  # no layer_types: one mask for every layer
-    windowed = windowed_attention(mask, queries, keys, sliding_window(every), False)
+    windowed = local_attention(mask, queries, keys, sliding_window(every), None, False)
     assert windowed[0, 0].nonzero().tolist() == [[0, 7], [0, 8], [0, 9], [0, 10], [0, 11],
                                                   [1, 8], [1, 9], [1, 10], [1, 11]]
     some = Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=4)
-    per_type = windowed_attention(mask, queries, keys, sliding_window(some), True)
+    per_type = local_attention(mask, queries, keys, sliding_window(some), attention_chunk(some), True)
     assert per_type["full_attention"] is mask and torch.equal(per_type["sliding_attention"], windowed)
+    chunked = Llama4TextConfig(**COMMON, attention_chunk_size=4)  # chunks 8-11: positions 10 and 11 see those
+    per_type = local_attention(mask, queries, keys, sliding_window(chunked), attention_chunk(chunked), True)
+    assert per_type["full_attention"] is mask
+    assert per_type["chunked_attention"][0, 0].nonzero().tolist() == [[0, 8], [0, 9], [0, 10], [0, 11],
+                                                                      [1, 8], [1, 9], [1, 10], [1, 11]]
 
 
 def test_eager_attention_takes_the_tree_mask_as_additive_floats():
@@ -138,14 +144,19 @@ def test_eager_attention_takes_the_tree_mask_as_additive_floats():
 
 
 @pytest.mark.parametrize("implementation", ["flex_attention", "flash_attention_2"])
-def test_attention_without_custom_masks_is_refused_with_one_line(implementation):
+def test_attention_without_custom_masks_decodes_plainly_and_refuses_trees(implementation):
     target = build("llama-eager")
+    reference = greedy_reference(target, prompt(), NEW)
+    target.config._attn_implementation = implementation
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    target.config._attn_implementation = "eager"  # plain decoding passes no mask; run it where this CPU can
+    assert engine.generate_baseline(prompt(), DecodeConfig(max_new_tokens=NEW)).token_ids == reference
     target.config._attn_implementation = implementation
     with pytest.raises(ValueError, match=f"'{implementation}' takes no custom 4-D mask.*sdpa"):
-        SpeculativeDecoder(target, [2, 4, 5])
+        engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=NEW))
 
 
-def test_load_turns_an_unservable_attention_into_a_load_error(tiny_model_dir, monkeypatch):
+def test_load_refuses_an_unservable_attention_with_a_head(tiny_model_dir, monkeypatch):
     import eagle_dropmatch.loading as loading
     real = loading.load_target
 
@@ -154,8 +165,29 @@ def test_load_turns_an_unservable_attention_into_a_load_error(tiny_model_dir, mo
         target.config._attn_implementation = "flex_attention"
         return target, tokenizer
     monkeypatch.setattr(loading, "load_target", flex_target)
-    with pytest.raises(LoadError, match="flex_attention"):
+    with pytest.raises(LoadError, match="cannot decode .* speculatively: .*flex_attention"):
         load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32")
+    assert load(tiny_model_dir / "target", dtype="float32").head is None  # plain decoding is still served
+
+
+def tiny_jamba():
+    """Jamba: Mamba layers (a recurrent state) between attention layers."""
+    torch.manual_seed(1)
+    return JambaForCausalLM(JambaConfig(**COMMON, num_experts=2, attn_layer_period=4, attn_layer_offset=2,
+                                        mamba_d_state=8, mamba_dt_rank=8)).eval()
+
+
+def test_recurrent_layers_decode_plainly_and_refuse_trees():
+    """A tree's branches cannot share one recurrent state: one clear error, before any work; plain
+    decoding still matches the model's own."""
+    target = tiny_jamba()
+    engine = SpeculativeDecoder(target, [1, 2, 3])
+    reference = greedy_reference(target, prompt(), 12)
+    assert engine.generate_baseline(prompt(), DecodeConfig(max_new_tokens=12)).token_ids == reference
+    with pytest.raises(ValueError, match="'linear_attention' layers, which keep a recurrent state"):
+        engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=12))
+    with pytest.raises(ValueError, match="the draft model has 'linear_attention' layers"):
+        ModelDrafter(target, 4)
 
 
 @pytest.mark.parametrize("name", LOGIT_TRANSFORMS)
