@@ -36,7 +36,7 @@ import torch
 
 from .head import DraftCache, Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, save_head
 from .loading import chat_template_ids
-from .verify import TargetLMHead
+from .verify import TargetLMHead, check_tree_verification
 
 TOPIC_SEEDS = [
     "cooking", "travel", "personal finance", "physics", "history", "poetry", "programming in Python",
@@ -539,6 +539,10 @@ def run(args: argparse.Namespace) -> int:
         target, tokenizer = load_target(args.model_path, resolve_dtype(args.dtype), "cpu")
     except LoadError as exc:
         raise TrainError(str(exc)) from None
+    try:  # a head for a target the engine cannot verify trees on would be of no use
+        check_tree_verification(target)
+    except ValueError as exc:
+        raise TrainError(f"cannot train a head for {args.model_path}: {exc}") from None
     vocab = target.get_input_embeddings().weight.shape[0]
     layers = target.config.num_hidden_layers
     init_head = None

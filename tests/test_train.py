@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from transformers import JambaConfig, JambaForCausalLM
 
 from eagle_dropmatch import train
 from eagle_dropmatch.drafters import Eagle3Drafter
@@ -11,7 +12,7 @@ from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.head import load_head
 from eagle_dropmatch.loading import chat_template_ids, load_target
 
-from conftest import greedy_reference, tiny_target
+from conftest import CHARS, SPECIALS, greedy_reference, tiny_target, write_char_tokenizer
 
 LLAMA3 = ("{{ '<|im_start|>' }}{% for m in messages %}{{ '<|im_end|>' + m['role'] + '<|im_end|>\n\n' + m['content'] "
           "+ '<|im_end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_end|>assistant<|im_end|>\n\n' }}"
@@ -189,6 +190,15 @@ def test_cli_bad_inputs(tiny_model_dir, tmp_path, capsys):
         assert train.main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+    recurrent = tmp_path / "jamba"  # Mamba layers: the engine could not serve a head for it
+    vocab = len(SPECIALS) + len(CHARS) + 4
+    JambaForCausalLM(JambaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                 num_attention_heads=2, num_key_value_heads=1, num_experts=2, attn_layer_period=4,
+                                 attn_layer_offset=2, mamba_d_state=4, mamba_dt_rank=4)).save_pretrained(recurrent)
+    write_char_tokenizer(recurrent, vocab)
+    assert train.main(["--model-path", str(recurrent), "--out", str(tmp_path / "h"), "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot train a head for" in err and "'linear_attention' layers" in err and "Traceback" not in err
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text("{}")
