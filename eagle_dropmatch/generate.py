@@ -142,7 +142,8 @@ class SpeculativeDecoder:
         self.aux_layer_ids = aux_layer_ids
         self.eos_token_ids = tuple(eos_token_ids)
         self.decoder = decoder_of(target)
-        self.lm_head = TargetLMHead(target.get_output_embeddings(), target.config)  # the output embedding and the target's own logit transform
+        # The output embedding and the target's own transform of its output (Cohere, Granite, Gemma).
+        self.lm_head = TargetLMHead(target.get_output_embeddings(), target.config)
         self.device = self.lm_head.weight.device
         self.max_positions = getattr(target.config, "max_position_embeddings", None) or 1 << 30
         self.window = sliding_window(target.config)

@@ -170,9 +170,10 @@ class TargetLMHead:
 
     Cohere multiplies the logits by ``logit_scale``, Granite divides them by ``logits_scaling``, and Gemma 2/3
     (and others) soft-cap them at ``final_logit_softcapping``, after an ``output_multiplier`` where the config
-    has one. These keep the order of a row's logits, so greedy decoding and DropMatch's match rule do not
-    depend on them, but sampling at T > 0, the js rule and a trained head's soft targets do. For models
-    without any (Llama, Qwen, Mistral, SmolLM2, ...) ``transform`` returns its input.
+    has one. These keep the order of a row's logits up to rounding (a soft cap in bf16 can tie two of them),
+    so greedy decoding and DropMatch's match rule hardly depend on them, but sampling at T > 0, the js rule
+    and a trained head's soft targets do; the engine applies them everywhere, so that its argmax is the
+    model's own. For models without any (Llama, Qwen, Mistral, SmolLM2, ...) ``transform`` returns its input.
 
     Args:
         linear: the output embedding (``target.get_output_embeddings()``); weight [V, H] and bias [V] or None

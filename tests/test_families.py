@@ -1,16 +1,16 @@
 """Targets other than Llama, unmodified: Qwen2 (attention biases), Qwen3 (q/k norms, explicit head_dim),
-Mistral, sliding-window attention on all layers or on some and Llama 4's chunked attention (the window and
-the chunks are applied in the tree mask), eager
-attention (Gemma 2's default; it adds the mask to the scores), and targets that transform their logits after
-the LM head (Gemma 2's soft cap, Cohere's scale, Granite's divisor)."""
+Mistral, sliding-window attention on all layers or on some, Llama 4's chunked attention (the window and the
+chunks are applied in the tree mask), eager attention (Gemma 2's default; it adds the mask to the scores),
+targets that transform their logits after the LM head (Gemma 2's soft cap, Cohere's scale, Granite's
+divisor), and the refusals: recurrent layers, attention that takes no custom mask."""
 
 import pytest
 import torch
-from transformers import (CohereConfig, CohereForCausalLM, JambaConfig, JambaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
                           Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM,
-                          Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          JambaConfig, JambaForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from eagle_dropmatch.draft_model import ModelDrafter
 from eagle_dropmatch.drafters import Eagle3Drafter
