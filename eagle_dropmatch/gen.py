@@ -39,12 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--draft-model-path", help="a draft causal LM sharing the target's tokenizer: standard speculative "
       "decoding with chains of --draft-length tokens instead of EAGLE-3")
     a("--draft-length", type=int, default=5, help="draft tokens per round with --draft-model-path (L)")
-    a("--bench", default="mt_bench", help="mt_bench, alpaca, gsm8k or humaneval")
+    a("--bench", help="mt_bench, alpaca, gsm8k or humaneval (default: mt_bench, unless --question-file is given)")
     a("--question-file", help="question jsonl (overrides --bench's file)")
     a("--data-dir", help="folder holding <bench>/question.jsonl")
     a("--question-begin", type=int, help="first question index (Python slicing)")
     a("--question-end", type=int, help="end question index (exclusive)")
-    a("--answer-file", help="output jsonl (default: <bench>/model_answer/<model-id>.jsonl)")
+    a("--answer-file", help="output jsonl (default: <bench>/model_answer/<model-id>.jsonl, or model_answer/ "
+                            "beside --question-file)")
     a("--model-id", help="name recorded in the answers (default: derived from the settings)")
     a("--max-new-tokens", type=int, default=512)
     a("--total-token", type=int, default=8, help="tree nodes including the root (N; 8 is tuned for a 2-core CPU)")
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     a("--device", default="cpu", help="cpu, cuda, cuda:N or auto (accelerate device_map)")
     a("--baseline", action="store_true", help="plain autoregressive decoding (no draft)")
-    a("--conv-template", help="fschat template name, only for tokenizers without a chat template")
+    a("--conv-template", help="fschat template name: prompts are rendered with it instead of the tokenizer's "
+                              "chat template (needed where the tokenizer has none)")
     a("--system-prompt", help="system message prepended to every conversation")
     a("--warmup", type=int, default=1, help="warm-up generations before timing (not recorded)")
     a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -85,6 +87,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.draft_model_path and (args.ea_model_path or args.baseline):
         raise UsageError("--draft-model-path (standard speculative decoding) excludes --ea-model-path and "
                          "--baseline")
+    if args.baseline and (args.dropmatch_k > 0 or args.dropmatch_rule != "match" or args.dropmatch_shortlist):
+        raise UsageError("--baseline (plain decoding, no draft) excludes the lossy rules: drop --dropmatch-k, "
+                         "--dropmatch-rule and --dropmatch-shortlist")
     try:
         check_tree_shape(args.total_token, args.depth, args.top_k)
         check_draft_length(args.draft_length)
@@ -106,13 +111,18 @@ def method_of(args: argparse.Namespace) -> str:
 
 
 def default_model_id(args: argparse.Namespace) -> str:
+    """The target's folder name, then what shapes the run: the method and its head or draft model, the tree,
+    the lossy rule, the temperature, a conversation template, the dtype."""
     name = Path(args.model_path).name if args.model_path else "SmolLM2-135M-Instruct"
+    if args.conv_template:
+        name += f"-{args.conv_template}"
     if args.baseline:
         return f"{name}-baseline-{args.dtype}"
     if args.draft_model_path:
         tag = f"{name}-sd-{Path(args.draft_model_path).name}-L{args.draft_length}"
     else:
-        tag = f"{name}-eagle3-{args.total_token}-{args.depth}-{args.top_k}"
+        head = f"-{Path(args.ea_model_path).name}" if args.ea_model_path else ""  # none: the bundled head
+        tag = f"{name}-eagle3{head}-{args.total_token}-{args.depth}-{args.top_k}"
     if args.dropmatch_rule == "topk":
         tag += f"-top{args.rule_top_k}"
     elif args.dropmatch_k > 0 and args.dropout_p.strip() not in ("0", "0.0", "0."):
@@ -250,6 +260,8 @@ def answer_question(model, question: dict, args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
+    if args.bench is None and not args.question_file:
+        args.bench = "mt_bench"
     from .loading import LoadError, load
     from .resources import ResourceError, questions_path, read_questions
     try:
@@ -259,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     args.question_file = qfile
     args.model_id = args.model_id or default_model_id(args)
-    answer_file = Path(args.answer_file or Path(args.bench) / "model_answer" / f"{args.model_id}.jsonl")
+    answers_dir = Path(args.bench) if args.bench else Path(qfile).parent  # FastChat's <bench>/model_answer
+    answer_file = Path(args.answer_file or answers_dir / "model_answer" / f"{args.model_id}.jsonl")
     settings = run_settings(args, args.model_id)
     done = prepare_answer_file(answer_file, settings)
     todo = [q for q in questions if q["question_id"] not in done]

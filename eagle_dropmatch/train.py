@@ -594,6 +594,9 @@ def run(args: argparse.Namespace) -> int:
         prompts = prompts[:args.num_prompts]
         if not prompts:
             raise TrainError("no usable prompts (empty file, or every prompt is in an evaluation set)")
+        if len(prompts) < args.num_prompts:
+            print(f"prompts: --num-prompts {args.num_prompts} asked for more than the {len(prompts)} usable; "
+                  f"training on {len(prompts)}", file=sys.stderr)
         prompts_file.write_text(json.dumps(prompts))
     prompts = json.loads(prompts_file.read_text())
 

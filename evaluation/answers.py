@@ -97,6 +97,12 @@ class AnswerFile:
         return str(self.meta["bench"]) if self.meta and self.meta.get("bench") else None
 
     @property
+    def question_file(self) -> Path | None:
+        """The question file gen read, as recorded in the meta file (None when absent or no longer there)."""
+        recorded = (self.meta or {}).get("question_file")
+        return Path(recorded) if isinstance(recorded, str) and recorded and Path(recorded).is_file() else None
+
+    @property
     def dropmatch(self) -> bool:
         """Whether DropMatch was on (meta ``dropmatch_k`` > 0 and ``dropout_p`` > 0 or ``auto``, or agreement
         recorded)."""

@@ -1,7 +1,8 @@
 """Shared command-line plumbing for the evaluation commands.
 
-Every command follows one contract: bad input produces exactly one line on stderr and exit status 2, never a
-traceback; warnings go to stderr prefixed with ``warning:``; ``--json`` prints one JSON object on stdout.
+Every command follows one contract: bad input produces exactly one ``error: ...`` line on stderr and exit status
+2, never a traceback; a run that produced no figure at all (the judge gave no turn a verdict) is one such line
+and exit status 1; warnings go to stderr prefixed with ``warning:``; ``--json`` prints one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from typing import Any, Callable, Sequence
 
 
 class EvalError(Exception):
-    """Bad input or an unusable environment: reported as one line, exit status 2."""
+    """Bad input or an unusable environment: reported as one ``error:`` line, exit status ``status``.
+
+    Args:
+        message: The error text (one line).
+        status: The exit status (2, bad input, by default).
+    """
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
 
 
 _WARNED: set[str] = set()
@@ -44,13 +54,13 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, prog: str = "") -> int:
-    """Run a command's ``main`` and turn expected failures into one stderr line and exit status 2.
+def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """Run a command's ``main`` and turn expected failures into one ``error: ...`` stderr line (as ``gen``
+    prints them) and the error's exit status (2 for bad input).
 
     Args:
         main: The command body; returns an exit status.
         argv: Arguments (None: ``sys.argv[1:]``).
-        prog: Program name used in the error line.
 
     Warnings are held back while the command runs: printed after a successful run, dropped when the
     command fails, so a failure is exactly one stderr line.
@@ -65,8 +75,8 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         return main(argv)
     except EvalError as exc:
         failed = True
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.status
     except BrokenPipeError:  # stdout closed early (e.g. piped into head): not an error of the command
         import os
 
@@ -78,8 +88,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except Exception as exc:  # noqa: BLE001 - errors of the resources module are input errors
         if type(exc).__name__ == "ResourceError":
             failed = True
-            print(f"{prog}: error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                  file=sys.stderr)
+            print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
             return 2
         raise
     finally:

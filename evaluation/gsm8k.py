@@ -4,6 +4,8 @@ Usage::
 
     python -m evaluation.gsm8k --answer-file A.jsonl [--bench gsm8k | --question-file Q.jsonl] [--json]
 
+The questions are, by default, the file gen recorded in the answer file's meta, else ``--bench gsm8k``'s.
+
 The reference answer is the number after ``#### `` in the question's ``reference``. The model's final answer
 is, in order of preference: the number after the last ``####``, the last ``\\boxed{N}``, the number after the
 last "answer is", else the last number in the text. Commas, ``$`` and a trailing period are stripped and the
@@ -16,9 +18,9 @@ import re
 import sys
 from typing import Sequence
 
-from .answers import load_answers
+from .answers import AnswerFile, load_answers
 from .common import EvalError, OneLineParser, emit, run_cli, warn
-from .questions import load_questions
+from .questions import questions_for
 
 _NUM = r"(?:(?<![\w.])-)?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
 _HASH = re.compile(r"####\s*(" + _NUM + ")")
@@ -60,14 +62,18 @@ def same_number(a: float | None, b: float | None) -> bool:
     return a is not None and b is not None and abs(a - b) <= 1e-6 * max(1.0, abs(b))
 
 
-def gsm8k_accuracy(answer_file: str, questions: dict) -> dict:
+def gsm8k_accuracy(answer_file: str | AnswerFile, questions: dict) -> dict:
     """Accuracy of an answer file against the references of ``questions``.
+
+    Args:
+        answer_file: The answer file, loaded or its path.
+        questions: The questions with their ``#### N`` references, keyed by ``str(question_id)``.
 
     Returns:
         A dict with accuracy, n (scored questions), correct, missing (questions without an answer),
         no_reference, and per-question details.
     """
-    af = load_answers(answer_file)
+    af = answer_file if isinstance(answer_file, AnswerFile) else load_answers(answer_file)
     details, missing, no_ref = [], 0, 0
     for key, q in questions.items():
         ref = reference_answer(q)
@@ -84,7 +90,7 @@ def gsm8k_accuracy(answer_file: str, questions: dict) -> dict:
     if no_ref:
         warn(f"{no_ref} question(s) have no '#### N' reference; left out")
     if missing:
-        warn(f"{missing} question(s) have no answer in {answer_file}; left out")
+        warn(f"{missing} question(s) have no answer in {af.path}; left out")
     if not details:
         raise EvalError("no question with both a '#### N' reference and an answer")
     correct = sum(d["correct"] for d in details)
@@ -97,7 +103,8 @@ def build_parser() -> OneLineParser:
     """The argument parser of ``python -m evaluation.gsm8k``."""
     p = OneLineParser(prog="python -m evaluation.gsm8k", description=__doc__.split("\n\n")[0])
     p.add_argument("--answer-file", required=True, help="answers to the GSM8K questions")
-    p.add_argument("--bench", default=None, help="bench name (default gsm8k when no --question-file)")
+    p.add_argument("--bench", default=None, help="bench name (default: the answer file's recorded question file, "
+                   "else gsm8k)")
     p.add_argument("--question-file", help="question file with '#### N' references")
     p.add_argument("--data-dir", help="data directory for --bench")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -108,12 +115,12 @@ def build_parser() -> OneLineParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m evaluation.gsm8k``."""
     args = build_parser().parse_args(argv)
-    bench = args.bench or (None if args.question_file else "gsm8k")
-    questions = load_questions(args.question_file, bench, args.data_dir)
-    res = gsm8k_accuracy(args.answer_file, questions)
+    af = load_answers(args.answer_file)
+    questions, _ = questions_for(args, af, default_bench="gsm8k")
+    res = gsm8k_accuracy(af, questions)
     emit(res, args, lambda r: f"{r['label']}: GSM8K accuracy {r['accuracy']:.4f} ({r['correct']}/{r['n']})")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, prog="python -m evaluation.gsm8k"))
+    sys.exit(run_cli(main))

@@ -8,8 +8,9 @@ Usage::
 Single grading: mean 1-10 rating overall, per turn and per category. Pairwise: every (question, turn) is
 judged twice with the two answers in both orders; a verdict that changes with the order is a tie;
 win rate = (W + T/2) / n with a seeded percentile-bootstrap 95% interval. Calls that fail for good or give
-no parsable verdict are counted in ``errors`` and left out of every figure. Judgments are cached on disk;
-``--dry-run`` only counts the calls a real run would make.
+no parsable verdict are counted in ``errors`` and left out of every figure; when no turn gets a verdict the
+command exits with status 1. Judgments are cached on disk; ``--dry-run`` only counts the calls a real run
+would make.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from .answers import AnswerFile, load_answers
 from .common import EvalError, OneLineParser, emit, fmt, run_cli, warn
 from .judge_client import JudgeClient, JudgmentCache, RetryPolicy, default_cache_dir, run_calls
 from .judge_tasks import JudgeCall, pair_call, single_call
-from .questions import load_judge_prompts, load_questions, load_reference_answers
+from .questions import load_judge_prompts, load_reference_answers, questions_for
 from .stats import bootstrap_ci, mean, win_rate
 from .verdicts import combine_orders, is_consistent, parse_pair_verdict, parse_rating
 
 
 def _questions_for(args, af: AnswerFile) -> tuple[dict, str | None]:
-    bench = args.bench or (None if args.question_file else af.bench)
-    if not args.question_file and not bench:
-        raise EvalError("no questions: give --question-file or --bench (the answer file's meta names no bench)")
-    return load_questions(args.question_file, bench, args.data_dir), bench
+    questions, bench = questions_for(args, af)
+    if questions is None:
+        raise EvalError("no questions: give --question-file or --bench (the answer file's meta names neither a "
+                        "question file nor a bench)")
+    return questions, bench
 
 
 def _units(af: AnswerFile, questions: dict, other: AnswerFile | None = None):
@@ -124,7 +126,7 @@ def judge_single(args) -> dict:
         "score": mean(u[3] for u in scored), "n": len(scored), "errors": len(errors),
         "per_turn": per_turn, "per_category": per_cat,
         "calls": {k: stats[k] for k in ("cached", "requested", "failed", "attempts")},
-        "error_details": errors,
+        "error_details": errors, "errors_file": str(cache.error_path),
     }
 
 
@@ -182,7 +184,7 @@ def judge_pairwise(args) -> dict:
         "per_turn": {t: tally(v) for t, v in _groups([(r[2], r[3]) for r in results]).items()},
         "per_category": {c: tally(v) for c, v in _groups([(r[1] or "all", r[3]) for r in results]).items()},
         "calls": {k: stats[k] for k in ("cached", "requested", "failed", "attempts")},
-        "error_details": errors,
+        "error_details": errors, "errors_file": str(cache.error_path),
     })
     return out
 
@@ -204,10 +206,21 @@ def render_text(res: dict) -> str:
                  f"(n={res['n']}, errors={res['errors']}, order-inconsistent={res['inconsistent']})",
                  f"  average answer length (tokens): {fmt(res['avg_len_answer'], 1)} vs "
                  f"{fmt(res['avg_len_baseline'], 1)}"]
+    if res["errors"]:
+        lines.append(f"  {res['errors']} of {res['n'] + res['errors']} judged turn(s) failed and are left out "
+                     f"(errors written to {res['errors_file']}; a rerun retries them)")
     c = res["calls"]
     lines.append(f"  calls: {c['requested']} requested ({c['failed']} failed, {c['attempts']} attempts), "
                  f"{c['cached']} cached")
     return "\n".join(lines)
+
+
+def _nothing_judged(res: dict) -> str:
+    """The error line of a run in which no turn got a verdict: how many judge calls failed, and where to look."""
+    c = res["calls"]
+    total = c["requested"] + c["cached"]
+    failed = f"all {total}" if c["failed"] == total else f"{c['failed']} of {total}"
+    return f"{failed} judge call(s) failed, nothing was judged (errors written to {res['errors_file']})"
 
 
 def build_parser() -> OneLineParser:
@@ -221,7 +234,8 @@ def build_parser() -> OneLineParser:
             s.add_argument("--baseline-file", required=True, help="answers to compare against (e.g. plain decoding)")
             s.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for ci95 (default 1000)")
             s.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
-        s.add_argument("--bench", help="bench of the questions (default: the answer file's meta)")
+        s.add_argument("--bench", help="bench of the questions (default: the answer file's recorded question "
+                       "file, else its bench)")
         s.add_argument("--question-file", help="question file (overrides --bench)")
         s.add_argument("--data-dir", help="data directory for --bench, prompts and references")
         s.add_argument("--judge-model", default="gpt-4", help="judge model, pinned (default gpt-4)")
@@ -251,8 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise EvalError("--bootstrap must be >= 1")
     res = judge_single(args) if args.mode == "single" else judge_pairwise(args)
     emit(res, args, render_text)
+    if not res.get("dry_run") and res["n"] == 0:
+        raise EvalError(_nothing_judged(res), status=1)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, prog="python -m evaluation.judge"))
+    sys.exit(run_cli(main))

@@ -193,6 +193,11 @@ class Outcome:
     record: dict | None = None
 
 
+def _served_models(outcomes: dict[str, Outcome]) -> list[str]:
+    """The model names the server reported for these judgments, cached ones included, sorted."""
+    return sorted({o.record["served_model"] for o in outcomes.values() if o.record and o.record.get("served_model")})
+
+
 def run_calls(calls: Iterable[JudgeCall], judge_model: str, cache: JudgmentCache,
               client_factory: Callable[[], JudgeClient], parse: Callable[[str | None], object],
               parallel: int = 1) -> tuple[dict[str, Outcome], dict]:
@@ -222,7 +227,8 @@ def run_calls(calls: Iterable[JudgeCall], judge_model: str, cache: JudgmentCache
                 outcomes[key] = Outcome(verdict=verdict, cached=True, record=rec)
                 continue
         todo[key] = call
-    stats = {"cached": len(outcomes), "requested": len(todo), "failed": 0, "attempts": 0, "served_models": []}
+    stats = {"cached": len(outcomes), "requested": len(todo), "failed": 0, "attempts": 0,
+             "served_models": _served_models(outcomes)}
     if not todo:
         return outcomes, stats
     client = client_factory()
@@ -252,6 +258,5 @@ def run_calls(calls: Iterable[JudgeCall], judge_model: str, cache: JudgmentCache
             outcomes[key] = outcome
     stats["failed"] = sum(1 for k in todo if outcomes[k].error)
     stats["attempts"] = client.attempts
-    stats["served_models"] = sorted({o.record.get("served_model") for o in outcomes.values()
-                                     if o.record and o.record.get("served_model")})
+    stats["served_models"] = _served_models(outcomes)
     return outcomes, stats

@@ -24,11 +24,22 @@ def _pyplot():
     return plt
 
 
+def run_label(row: dict) -> str:
+    """The label of a row's points in every plot: its ``--run`` name, else its method label."""
+    return row.get("name") or row["family"]
+
+
+def _annotate(ax, rows: list[dict], x: str, y: str) -> None:
+    for r in rows:
+        ax.annotate(run_label(r), (r[x], r[y]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+
+
 def plot_depth(rows: list[dict], path: Path) -> Path | None:
-    """tau and speedup against draft length (tree depth), one line per method family.
+    """tau and speedup against draft length (tree depth): one line per method family, each point labelled by
+    :func:`run_label`.
 
     Args:
-        rows: Report rows with ``family``, ``depth``, ``tau`` and ``speedup``.
+        rows: Report rows with ``name`` (or ``family``), ``family``, ``depth``, ``tau`` and ``speedup``.
         path: Output PNG.
 
     Returns:
@@ -45,16 +56,16 @@ def plot_depth(rows: list[dict], path: Path) -> Path | None:
     for r in sorted(pts, key=lambda r: r["depth"]):
         fam.setdefault(r["family"], []).append(r)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, rs in fam.items():
-        axes[0].plot([r["depth"] for r in rs], [r["tau"] for r in rs], marker="o", label=name)
-        sp = [r for r in rs if r.get("speedup") is not None]
-        axes[1].plot([r["depth"] for r in sp], [r["speedup"] for r in sp], marker="o", label=name)
+    for rs in fam.values():
+        for ax, key in zip(axes, ("tau", "speedup")):
+            line = [r for r in rs if r.get(key) is not None]
+            ax.plot([r["depth"] for r in line], [r[key] for r in line], marker="o")
+            _annotate(ax, line, "depth", key)
     axes[0].set(xlabel="draft length (tree depth)", ylabel="tau (tokens per round)", title="Acceptance length")
     axes[1].set(xlabel="draft length (tree depth)", ylabel="speedup over standard decoding", title="Speedup")
     axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -62,7 +73,7 @@ def plot_depth(rows: list[dict], path: Path) -> Path | None:
 
 
 def plot_quality(rows: list[dict], path: Path) -> Path | None:
-    """Each available quality figure against speedup, one point per row, labelled by name.
+    """Each available quality figure against speedup, one point per row, labelled by :func:`run_label`.
 
     Returns:
         The path written, or None when no row has both a speedup and a quality figure.
@@ -79,8 +90,7 @@ def plot_quality(rows: list[dict], path: Path) -> Path | None:
     for ax, (key, label) in zip(axes[0], axes_used):
         rs = [r for r in rows if r.get(key) is not None and r.get("speedup") is not None]
         ax.scatter([r["speedup"] for r in rs], [r[key] for r in rs])
-        for r in rs:
-            ax.annotate(r["name"], (r["speedup"], r[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        _annotate(ax, rs, "speedup", key)
         ax.set(xlabel="speedup over standard decoding", ylabel=label, title=label)
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from .answers import AnswerFile, load_answers
 from .common import EvalError, OneLineParser, emit, fmt, run_cli, warn
-from .questions import load_questions
+from .questions import questions_for
 from .speed import same_answer
 from .stats import mean, ratio
 
@@ -120,7 +120,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--answer-file", required=True, help="answers of the lossy run (e.g. DropMatch)")
     p.add_argument("--reference-file", required=True, help="answers of the lossless run (EAGLE-3 or plain)")
     p.add_argument("--model-path", help="target model (default: the embedded default target)")
-    p.add_argument("--bench", help="bench of the questions (default: the answer file's meta)")
+    p.add_argument("--bench", help="bench of the questions (default: the answer file's recorded question file, "
+                   "else its bench)")
     p.add_argument("--question-file", help="question file (overrides --bench)")
     p.add_argument("--data-dir", help="data directory for --bench")
     p.add_argument("--no-loglik", action="store_true", help="skip the log-likelihood (no target model needed)")
@@ -143,13 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     questions = None
     if not args.no_loglik:
-        bench = args.bench
-        if not args.question_file and not bench:
-            bench = load_answers(args.answer_file).bench
-        if not args.question_file and not bench:
+        questions, _ = questions_for(args, load_answers(args.answer_file))
+        if questions is None:
             raise EvalError("the log-likelihood needs the questions: give --question-file or --bench "
                             "(or --no-loglik)")
-        questions = load_questions(args.question_file, bench, args.data_dir)
     res = quality_report(args.answer_file, args.reference_file, questions, args.model_path,
                          loglik=not args.no_loglik, sbert=args.sbert, sbert_path=args.sbert_model)
     emit(res, args, render_text)
@@ -157,4 +155,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, prog="python -m evaluation.quality"))
+    sys.exit(run_cli(main))

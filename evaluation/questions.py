@@ -1,7 +1,8 @@
 """Question sets, reference answers and judge prompts: locating and reading the data files.
 
 ``--question-file`` / ``--reference-file`` / ``--judge-prompts`` name files directly; ``--bench`` and
-``--data-dir`` resolve them through ``eagle_dropmatch.resources`` (imported only when needed).
+``--data-dir`` resolve them through ``eagle_dropmatch.resources`` (imported only when needed). With none of
+them, :func:`questions_for` reads the question file gen recorded in the answer file's meta.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .answers import AnswerFile
 from .common import EvalError
 
 #: Categories judged with the reference-based prompts (FastChat's NEED_REF_CATS).
@@ -82,6 +84,33 @@ def load_questions(question_file: str | None = None, bench: str | None = None,
     if not out:
         raise EvalError(f"question file is empty: {path}")
     return out
+
+
+def questions_for(args, af: AnswerFile, default_bench: str | None = None) -> tuple[dict | None, str | None]:
+    """The questions of an answer file, for a command with ``--question-file``, ``--data-dir`` and maybe ``--bench``.
+
+    In order: ``--question-file`` (and ``--bench``, if given, names its bench); ``--bench``; with neither and no
+    ``--data-dir``, the question file recorded in the answer file's meta, when it still exists; else
+    ``default_bench`` or the meta's ``bench``, resolved (in ``--data-dir``) as gen resolves it.
+
+    Args:
+        args: The parsed options: ``question_file``, ``data_dir`` and, where the command has it, ``bench``.
+        af: The answer file.
+        default_bench: The bench of a command made for one bench (gsm8k); None: the meta's.
+
+    Returns:
+        (questions keyed by ``str(question_id)``, their bench), or (None, None) when nothing names them.
+
+    Raises:
+        EvalError: A missing or malformed question file.
+    """
+    bench = getattr(args, "bench", None)
+    if args.question_file or bench:
+        return load_questions(args.question_file, bench, args.data_dir), bench
+    bench = default_bench or af.bench
+    if not args.data_dir and af.question_file is not None:
+        return load_questions(str(af.question_file)), bench
+    return load_questions(None, bench, args.data_dir), bench
 
 
 def load_reference_answers(reference_file: str | None, bench: str | None, data_dir: str | None) -> dict[str, list]:

@@ -190,4 +190,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, prog="python -m evaluation.report"))
+    sys.exit(run_cli(main))

@@ -217,9 +217,9 @@ def group_runs(files: list[AnswerFile], runs: list[dict]) -> list[dict]:
              "tree": first.tree, "depth": first.depth, "settings": first.meta,
              "n_runs": len(rs), "files": [r["file"] for r in rs]}
         g.update(aggregate(rs))
-        cats = OrderedDict((c, None) for r in rs for c in r["per_category"])
-        g["per_category"] = {c: aggregate([r["per_category"][c] for r in rs if c in r["per_category"]])
-                             for c in cats}
+        for breakdown in ("per_category", "per_turn"):
+            parts = OrderedDict((c, None) for r in rs for c in r[breakdown])
+            g[breakdown] = {c: aggregate([r[breakdown][c] for r in rs if c in r[breakdown]]) for c in parts}
         out.append(g)
     return out
 
@@ -234,6 +234,7 @@ def speed_report(answer_files: Sequence[str], baseline_files: Sequence[str] = ()
     top = {k: groups[0].get(k) for k in ("label", "bench", "tree", "depth", "n_runs") + RUN_METRICS}
     top.update({f"{k}_std": groups[0].get(f"{k}_std") for k in RUN_METRICS})
     top["per_category"] = groups[0]["per_category"]
+    top["per_turn"] = groups[0]["per_turn"]
     top["groups"] = groups
     top["runs"] = runs
     return top
@@ -254,11 +255,12 @@ def render_text(report: dict) -> str:
             f"| {_pm(g['speedup'], g['speedup_std'])} | {fmt(g['exact_match_rate'], 3)} "
             f"| {fmt(g['agreement'], 3)} | {fmt(g['accepted_set_size'], 2)} |")
     for g in report["groups"]:
-        lines += ["", f"{g['label']} ({g['bench'] or '-'}), per category:", "",
-                  "| category | tau | exact tau | tokens/s | speedup | exact match |", "|---|---|---|---|---|---|"]
-        for c, v in g["per_category"].items():
-            lines.append(f"| {c} | {fmt(v['tau'])} | {fmt(v['exact_tau'])} | {fmt(v['tokens_per_s'], 1)} "
-                         f"| {fmt(v['speedup'])} | {fmt(v['exact_match_rate'], 3)} |")
+        for breakdown, column in (("per_category", "category"), ("per_turn", "turn")):
+            lines += ["", f"{g['label']} ({g['bench'] or '-'}), {breakdown.replace('_', ' ')}:", "",
+                      f"| {column} | tau | exact tau | tokens/s | speedup | exact match |", "|---|---|---|---|---|---|"]
+            for c, v in g[breakdown].items():
+                lines.append(f"| {c} | {fmt(v['tau'])} | {fmt(v['exact_tau'])} | {fmt(v['tokens_per_s'], 1)} "
+                             f"| {fmt(v['speedup'])} | {fmt(v['exact_match_rate'], 3)} |")
     return "\n".join(lines)
 
 
@@ -287,4 +289,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, prog="python -m evaluation.speed"))
+    sys.exit(run_cli(main))

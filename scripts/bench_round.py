@@ -124,11 +124,12 @@ def round_table(per_prompt: dict[str, list[dict]]) -> dict:
 
 
 def print_report(table: dict, costs: dict, title: str) -> None:
+    width = max(28, *(len(name) + 2 for name in table))  # the longest variant name, then two spaces
     print(title)
-    print(f"{'variant':28s}" + "".join(f"{s:>12s}" for s in (*SECTIONS, "round"))
+    print(f"{'variant':{width}s}" + "".join(f"{s:>12s}" for s in (*SECTIONS, "round"))
           + f"{'DM cost':>10s}{'DM share':>10s}{'vs eagle3':>10s}{'tau':>7s}{'tok/s':>8s}{'DM rows':>9s}")
     for name, row in table.items():
-        print(f"{name:28s}" + "".join(f"{row[s]:10.2f}ms" for s in (*SECTIONS, "round"))
+        print(f"{name:{width}s}" + "".join(f"{row[s]:10.2f}ms" for s in (*SECTIONS, "round"))
               + f"{row['dropmatch_cost_ms']:8.2f}ms{100 * row['dropmatch_share']:9.2f}%"
               + f"{row['round_vs_eagle3']:10.3f}{row['tau']:7.2f}{row['tok_s']:8.1f}{row['sample_rows']:9.1f}")
     print(f"LM head alone, {costs['rows']} rows: {costs['alone_ms']:.2f} ms; with extra rows stacked in the same "

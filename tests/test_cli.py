@@ -97,6 +97,8 @@ BAD_NUMBERS = [
      "needs the match rule at temperature 0"),
     (["--dropmatch-k", "5", "--dropmatch-shortlist", "64", "--dropmatch-rule", "js", "--top-k", "1"],
      "needs the match rule at temperature 0"),
+    (["--baseline", "--dropmatch-k", "5"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
+    (["--baseline", "--dropmatch-rule", "topk"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
 ]
 
 
@@ -149,3 +151,20 @@ def test_module_entry_point(tiny_model_dir, tmp_path):
     out = subprocess.run([sys.executable, "-m", "eagle_dropmatch.gen", "--dropout-p", "2"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.strip() == "error: dropout-p must be in [0, 1), got 2.0"
+
+
+def test_default_answer_files_name_what_shapes_the_run(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Without --answer-file: model_answer/ beside a --question-file (no bench is recorded for it), and a
+    model id naming the head and the conversation template, so that two heads do not share one file."""
+    d = tiny_model_dir
+    questions = tmp_path / "mine" / "question.jsonl"
+    questions.parent.mkdir()
+    questions.write_text((d / "questions.jsonl").read_text())
+    monkeypatch.chdir(tmp_path)
+    common = ["--model-path", d / "target", "--question-file", questions, "--question-end", 1]
+    assert run_gen(capsys, *common, "--ea-model-path", d / "head")[0] == 0
+    written = tmp_path / "mine" / "model_answer" / "target-eagle3-head-8-3-2-float32.jsonl"
+    meta = json.loads(written.with_name(written.name + ".meta.json").read_text())
+    assert meta["bench"] is None and meta["question_file"] == str(questions)
+    assert run_gen(capsys, *common, "--baseline", "--conv-template", "vicuna_v1.1")[0] == 0
+    assert (tmp_path / "mine" / "model_answer" / "target-vicuna_v1.1-baseline-float32.jsonl").exists()

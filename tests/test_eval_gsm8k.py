@@ -1,6 +1,7 @@
 """GSM8K final-answer extraction and accuracy."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_accuracy_cli(tmp_path, capsys):
             for i, a in enumerate(answers) if a is not None]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rc = run_cli(gsm8k.main, ["--answer-file", str(tmp_path / "a.jsonl"), "--question-file",
-                              str(tmp_path / "q.jsonl"), "--json"], prog="gsm8k")
+                              str(tmp_path / "q.jsonl"), "--json"])
     cap = capsys.readouterr()
     res = json.loads(cap.out)
     assert rc == 0 and res["n"] == 3 and res["correct"] == 2 and res["accuracy"] == pytest.approx(2 / 3)
@@ -55,6 +56,36 @@ def test_bad_input_exits_2(tmp_path, capsys):
     (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": 0, "turns": ["x"]}) + "\n")
     (tmp_path / "a.jsonl").write_text(json.dumps({"question_id": 0, "choices": [{"turns": ["1"]}]}) + "\n")
     rc = run_cli(gsm8k.main, ["--answer-file", str(tmp_path / "a.jsonl"), "--question-file",
-                              str(tmp_path / "q.jsonl")], prog="gsm8k")
+                              str(tmp_path / "q.jsonl")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "#### N" in err[0]
+
+
+def test_questions_come_from_the_recorded_question_file(tmp_path, capsys, monkeypatch):
+    """With no --question-file/--bench/--data-dir, the question file gen recorded in the meta is read; with
+    --data-dir, or when the recorded file is gone, the gsm8k bench of the data directory is."""
+    def questions(path, refs):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"question_id": i, "turns": [f"q{i}"], "reference": [f"#### {r}"]}) + "\n"
+                                for i, r in enumerate(refs)))
+        return path
+
+    recorded = questions(tmp_path / "gen" / "subset.jsonl", ["18", "7"])
+    questions(tmp_path / "data" / "gsm8k" / "question.jsonl", ["1", "2"])
+    monkeypatch.setenv("EAGLE_DROPMATCH_DATA", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    answers = tmp_path / "a.jsonl"
+    answers.write_text("".join(json.dumps({"question_id": i, "choices": [{"turns": [f"#### {a}"]}]}) + "\n"
+                               for i, a in enumerate(["18", "7"])))
+    Path(str(answers) + ".meta.json").write_text(json.dumps({"bench": "gsm8k", "question_file": str(recorded)}))
+
+    def accuracy(*extra):
+        rc = run_cli(gsm8k.main, ["--answer-file", str(answers), "--json", *extra])
+        cap = capsys.readouterr()
+        assert rc == 0, cap.err
+        return json.loads(cap.out)["accuracy"]
+
+    assert accuracy() == 1.0
+    assert accuracy("--data-dir", str(tmp_path / "data")) == 0.0
+    recorded.unlink()
+    assert accuracy() == 0.0

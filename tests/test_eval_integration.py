@@ -28,7 +28,7 @@ def answers(tiny_model_dir, tmp_path_factory):
 
 def test_speed_on_generated_files(answers, capsys):
     assert run_cli(speed.main, ["--answer-file", answers["e3"], answers["dm"], "--baseline-file", answers["base"],
-                                "--json"], prog="speed") == 0
+                                "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     e3, dm = rep["runs"]
     for run, path in ((e3, answers["e3"]), (dm, answers["dm"])):
@@ -46,14 +46,13 @@ def test_speed_on_generated_files(answers, capsys):
 def test_quality_and_report_on_generated_files(answers, tmp_path, capsys):
     rc = run_cli(quality.main, ["--answer-file", answers["e3"], "--reference-file", answers["base"],
                                 "--model-path", answers["target"], "--question-file", answers["questions"],
-                                "--json"], prog="quality")
+                                "--json"])
     res = json.loads(capsys.readouterr().out)
     assert rc == 0 and res["exact_match_rate"] == 1.0
     assert res["loglik_per_token"] == pytest.approx(res["loglik_per_token_reference"]) and res["loglik_per_token"] < 0
     qpath = tmp_path / "q.json"
     qpath.write_text(json.dumps(res))
     rc = run_cli(report.main, ["--baseline-file", answers["base"], "--run", f"EAGLE-3={answers['e3']}",
-                               "--run", f"DropMatch={answers['dm']}", "--quality", f"EAGLE-3={qpath}"],
-                 prog="report")
+                               "--run", f"DropMatch={answers['dm']}", "--quality", f"EAGLE-3={qpath}"])
     table = capsys.readouterr().out
     assert rc == 0 and "| EAGLE-3 | N=8, D=3, K=2 |" in table and "| baseline | - | 1.00 |" in table

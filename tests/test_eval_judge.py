@@ -103,7 +103,7 @@ def rating_responder(body):
 
 
 def run_judge(argv, capsys):
-    rc = run_cli(judge.main, argv, prog="judge")
+    rc = run_cli(judge.main, argv)
     cap = capsys.readouterr()
     return rc, (json.loads(cap.out) if rc == 0 and cap.out.strip().startswith("{") else None), cap.err
 
@@ -200,6 +200,43 @@ def test_final_failure_and_non_retryable(mt, capsys):
         assert res["calls"]["requested"] == 2 and res["calls"]["cached"] == 4 and stub.calls == 8 + 2
 
 
+def test_all_calls_failed_exits_1(mt, capsys):
+    with JudgeStub(lambda body: Reply(status=400)) as stub:
+        rc = run_cli(judge.main, single_args(mt, stub))
+    cap = capsys.readouterr()
+    errors_file = str(Path(mt["cache"], "errors.jsonl"))
+    assert rc == 1 and cap.err.strip().splitlines() == [
+        f"error: all 6 judge call(s) failed, nothing was judged (errors written to {errors_file})"]
+    res = json.loads(cap.out)  # the result is still reported, with every error
+    assert res["n"] == 0 and res["errors"] == 6 and res["errors_file"] == errors_file
+    assert len(Path(errors_file).read_text().splitlines()) == 6
+
+
+def test_partial_failure_summary_says_how_many_failed(mt, capsys):
+    with JudgeStub(lambda body: Reply(status=400) if judged(body) == (81, 1) else rating_responder(body)) as stub:
+        rc = run_cli(judge.main, [a for a in single_args(mt, stub) if a != "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert (f"1 of 6 judged turn(s) failed and are left out (errors written to "
+            f"{Path(mt['cache'], 'errors.jsonl')}; a rerun retries them)") in out
+
+
+def test_served_models_of_cached_judgments(mt, capsys):
+    with JudgeStub(rating_responder) as stub:
+        run_judge(single_args(mt, stub), capsys)
+        rc, res, _ = run_judge(single_args(mt, stub), capsys)
+    assert rc == 0 and res["calls"]["cached"] == 6 and res["served_models"] == ["gpt-4"]
+
+
+def test_questions_from_the_recorded_question_file(mt, tmp_path, capsys):
+    """No --question-file/--bench/--data-dir: the question file gen recorded in the meta is judged against."""
+    Path(mt["answers"] + ".meta.json").write_text(json.dumps({"bench": None, "question_file": mt["questions"]}))
+    rc, res, err = run_judge(["single", "--answer-file", mt["answers"], "--judge-prompts", mt["prompts"],
+                              "--cache-dir", mt["cache"], "--dry-run", "--json"], capsys)
+    assert rc == 0, err
+    assert res["calls"] == 6
+
+
 def test_timeouts_are_retried(mt, capsys):
     slow = {"left": 1}
     lock = threading.Lock()
@@ -233,7 +270,7 @@ def test_dry_run_makes_no_calls(mt, capsys):
         rc, res, _ = run_judge(single_args(mt, stub, "--dry-run"), capsys)
         assert res["calls"] == 0 and res["cached"] == 6 and res["est_prompt_tokens"] == 0 and stub.calls == 6
     args = [a for a in single_args(mt, stub, "--dry-run") if a != "--json"]
-    assert run_cli(judge.main, args, prog="judge") == 0
+    assert run_cli(judge.main, args) == 0
     assert "0 judge call(s) needed (6 cached)" in capsys.readouterr().out
 
 
@@ -374,7 +411,7 @@ def test_no_credentials_exit_2(mt, monkeypatch, capsys):
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
     try:
-        rc = run_cli(judge.main, argv, prog="judge")
+        rc = run_cli(judge.main, argv)
     except SystemExit as exc:
         rc = exc.code
     err = capsys.readouterr().err.strip().splitlines()

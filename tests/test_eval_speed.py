@@ -169,6 +169,21 @@ def test_cli_json(files, capsys):
     assert "| EAGLE-3 + DropMatch (K=5, p=0.3) | mt_bench |" in text and "2.40" in text
 
 
+def test_markdown_per_turn_table(files, capsys):
+    base, dm, dm2 = files
+    assert speed.main(["--answer-file", dm, "--baseline-file", base]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("EAGLE-3 + DropMatch (K=5, p=0.3) (mt_bench), per turn:")
+    # turn 1: 18 tokens in 0.75 s (baseline 18 in 2 s), 5 rounds, exact 9 + 6; turn 2: 30 in 1.25 s (32 in 3 s)
+    assert lines[start + 2:start + 6] == ["| turn | tau | exact tau | tokens/s | speedup | exact match |",
+                                          "|---|---|---|---|---|---|",
+                                          "| 1 | 3.60 | 3.00 | 24.0 | 2.67 | 1.000 |",
+                                          "| 2 | 5.00 | 4.17 | 24.0 | 2.25 | 0.000 |"]
+    rep = speed.speed_report([dm, dm2], [base])
+    assert rep["per_turn"]["1"]["tokens_per_s"] == pytest.approx(18.0)  # (24 + 12) / 2 over the repeats
+    assert rep["groups"][0]["per_turn"]["2"]["tokens_per_s_std"] == pytest.approx(math.sqrt(72))
+
+
 @pytest.mark.parametrize("content, message", [
     ("{not json\n", "not valid JSON"),
     ('{"question_id": 1}\n', "choices"),
@@ -178,13 +193,13 @@ def test_cli_json(files, capsys):
 def test_bad_answer_file_exits_2_with_one_line(tmp_path, files, capsys, content, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    rc = run_cli(speed.main, ["--answer-file", str(bad), "--baseline-file", files[0]], prog="speed")
+    rc = run_cli(speed.main, ["--answer-file", str(bad), "--baseline-file", files[0]])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0]
 
 
 def test_missing_file_and_bad_option_exit_2(tmp_path, capsys):
-    assert run_cli(speed.main, ["--answer-file", str(tmp_path / "nope.jsonl")], prog="speed") == 2
+    assert run_cli(speed.main, ["--answer-file", str(tmp_path / "nope.jsonl")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
     with pytest.raises(SystemExit) as exc:
         speed.main(["--bogus"])

@@ -246,3 +246,16 @@ def test_dropmatch_shortlist_measures_what_the_shortlist_changes(tiny_model_dir,
     capsys.readouterr()
     assert module.main(["--model-path", str(tiny_model_dir / "target"), "--dropout-p", "1.5"]) == 2
     assert capsys.readouterr().err == "error: dropout-p must be in [0, 1), got 1.5\n"
+
+
+def test_bench_round_table_columns_fit_the_longest_variant_name(capsys):
+    module = _script("bench_round")
+    row = {**{s: 1.0 for s in (*module.SECTIONS, "round")}, "dropmatch_cost_ms": 0.5, "dropmatch_share": 0.1,
+           "round_vs_eagle3": 1.1, "tau": 2.5, "tok_s": 40.0, "sample_rows": 3.0}
+    table = {"eagle3": row, "dropmatch K=5 p=0.3 prot=0": row, "dropmatch K=5 p=auto:0.1 prot=auto M=256": row}
+    costs = {"rows": 8, "alone_ms": 1.0, "stacked_ms": {5: 1.0}, "second_matmul_ms": {5: 1.0},
+             "stacked_rows_identical": True, "argmax_ms": {8: {"max": 0.1, "first_argmax": 0.1}}}
+    module.print_report(table, costs, "title")
+    lines = capsys.readouterr().out.splitlines()[1:5]
+    assert len({len(line) for line in lines}) == 1, lines  # header and every row end in the same column
+    assert [line.split("  ")[0] for line in lines] == ["variant", *table]  # each name followed by 2+ spaces

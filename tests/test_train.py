@@ -217,6 +217,10 @@ def _cli(tiny_model_dir, tmp_path, out, *extra):
 def test_cli_trains_a_head_and_continues_from_it(tiny_model_dir, tmp_path, capsys):
     first_dir = tmp_path / "first"
     assert _cli(tiny_model_dir, tmp_path, first_dir, "--epochs", "1", "--draft-vocab-size", "30") == 0
+    assert "asked for more" not in capsys.readouterr().err
+    assert _cli(tiny_model_dir, tmp_path, tmp_path / "few", "--epochs", "0", "--draft-vocab-size", "30",
+                "--num-prompts", "12") == 0
+    assert "--num-prompts 12 asked for more than the 10 usable; training on 10" in capsys.readouterr().err
     record = (first_dir / "training.json").read_text()
     assert json.loads(record)["examples"] == 10 and len(json.loads(record)["heldout_acc"]) == 3
     assert json.loads(record)["heldout_examples"] == train.held_out_indices(10, 2, seed=0)
