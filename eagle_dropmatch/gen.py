@@ -157,8 +157,8 @@ def run_settings(args: argparse.Namespace, model_id: str) -> dict:
         "dtype": args.dtype, "device": args.device, "total_token": length + 1 if sd else args.total_token,
         "depth": length if sd else args.depth, "top_k": 1 if sd else args.top_k,
         "draft_length": length if sd else None, "temperature": args.temperature, "top_p": args.top_p,
-        "sample_top_k": args.sample_top_k, "dropmatch_k": args.dropmatch_k, "dropout_p": _number_or_text(args.dropout_p),
-        "dropmatch_protect": _number_or_text(args.dropmatch_protect),
+        "sample_top_k": args.sample_top_k, "dropmatch_k": args.dropmatch_k,
+        "dropout_p": _number_or_text(args.dropout_p), "dropmatch_protect": _number_or_text(args.dropmatch_protect),
         "dropmatch_rule": args.dropmatch_rule,
         "dropmatch_shortlist": args.dropmatch_shortlist or None,  # None: the whole vocabulary
         "rule_top_k": args.rule_top_k if args.dropmatch_rule == "topk" else None,
