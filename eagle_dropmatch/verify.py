@@ -157,11 +157,16 @@ def check_tree_verification(target: nn.Module) -> None:
 
 def mask_in_dtype(mask: torch.Tensor | dict[str, torch.Tensor],
                   dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
-    """A boolean mask (True = attend), or a mapping of them per layer type, in ``tree_mask_dtype``'s form."""
-    if isinstance(mask, dict):
-        return {kind: mask_in_dtype(m, dtype) for kind, m in mask.items()}
+    """A boolean mask (True = attend), or a mapping of them per layer type, in ``tree_mask_dtype``'s form; a
+    mask that several layer types share (``local_attention`` aliases the unwindowed one) is converted once."""
     if dtype == torch.bool:
         return mask
+    if isinstance(mask, dict):
+        converted: dict[int, torch.Tensor] = {}
+        for m in mask.values():
+            if id(m) not in converted:
+                converted[id(m)] = mask_in_dtype(m, dtype)
+        return {kind: converted[id(m)] for kind, m in mask.items()}
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 

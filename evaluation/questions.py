@@ -94,7 +94,7 @@ def questions_for(args, af: AnswerFile, default_bench: str | None = None) -> tup
     ``default_bench`` or the meta's ``bench``, resolved (in ``--data-dir``) as gen resolves it.
 
     Args:
-        args: The parsed options: ``question_file``, ``data_dir`` and, where the command has it, ``bench``.
+        args: The parsed options: ``question_file`` and, where the command has them, ``data_dir`` and ``bench``.
         af: The answer file.
         default_bench: The bench of a command made for one bench (gsm8k); None: the meta's.
 
@@ -104,13 +104,13 @@ def questions_for(args, af: AnswerFile, default_bench: str | None = None) -> tup
     Raises:
         EvalError: A missing or malformed question file.
     """
-    bench = getattr(args, "bench", None)
+    bench, data_dir = getattr(args, "bench", None), getattr(args, "data_dir", None)
     if args.question_file or bench:
-        return load_questions(args.question_file, bench, args.data_dir), bench
+        return load_questions(args.question_file, bench, data_dir), bench
     bench = default_bench or af.bench
-    if not args.data_dir and af.question_file is not None:
+    if not data_dir and af.question_file is not None:
         return load_questions(str(af.question_file)), bench
-    return load_questions(None, bench, args.data_dir), bench
+    return load_questions(None, bench, data_dir), bench
 
 
 def load_reference_answers(reference_file: str | None, bench: str | None, data_dir: str | None) -> dict[str, list]:

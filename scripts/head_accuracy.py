@@ -33,7 +33,7 @@ from eagle_dropmatch.verify import decoder_of, target_forward  # noqa: E402
 from evaluation.answers import load_answers  # noqa: E402
 from evaluation.common import EvalError  # noqa: E402
 from evaluation.loglik import prompt_ids  # noqa: E402
-from evaluation.questions import load_questions  # noqa: E402
+from evaluation.questions import questions_for  # noqa: E402
 
 
 def target_features(target, aux: list[int], ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             raise EvalError(f"--steps must be >= 1, got {args.steps}")
         answers = load_answers(args.answer_file)
         meta = answers.meta or {}
-        recorded = meta.get("question_file") if not args.bench else None
-        questions = load_questions(args.question_file or recorded, args.bench or answers.bench)
+        questions, _ = questions_for(args, answers)
         if questions is None:
             raise EvalError("name the questions with --bench or --question-file")
         model = load(args.model_path or meta.get("model_path"), args.ea_model_path, dtype=args.dtype)

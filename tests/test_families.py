@@ -18,7 +18,8 @@ from eagle_dropmatch.dropmatch import DropMatchConfig
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.loading import LoadError, load
 from eagle_dropmatch.train import draft_vocab_logits
-from eagle_dropmatch.verify import attention_chunk, decoder_of, local_attention, sliding_window, target_forward
+from eagle_dropmatch.verify import (attention_chunk, decoder_of, local_attention, mask_in_dtype, sliding_window,
+                                    target_forward)
 
 from conftest import OracleDrafter, greedy_reference, noisy_copy, tiny_head
 
@@ -129,6 +130,10 @@ def test_local_attention_per_layer_type():
     assert per_type["full_attention"] is mask
     assert per_type["chunked_attention"][0, 0].nonzero().tolist() == [[0, 8], [0, 9], [0, 10], [0, 11],
                                                                       [1, 8], [1, 9], [1, 10], [1, 11]]
+    additive = mask_in_dtype(per_type, torch.float32)  # the unwindowed mask, shared by two types, converted once
+    assert additive["full_attention"] is additive["sliding_attention"]
+    assert torch.equal(additive["chunked_attention"] == 0, per_type["chunked_attention"])
+    assert (additive["chunked_attention"][0, 0, 0, :8] == torch.finfo(torch.float32).min).all()
 
 
 def test_eager_attention_takes_the_tree_mask_as_additive_floats():
