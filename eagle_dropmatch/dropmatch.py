@@ -18,6 +18,14 @@ rows go through the LM head in the same matmul as the N undropped rows (``lm_hea
 weight [V, H] is read once per round, so DropMatch costs the extra rows' arithmetic, not a second pass
 over the LM head.
 
+With ``rows`` "reachable" (the match rule at T = 0 only) the samples leave that matmul too: after it, the
+undropped tokens are known, and ``reachable_sample_tokens`` scores, level by level from the root, only the
+samples of nodes reached so far (every token on their path accepted) that have children. Those are the only
+samples the accepted path can depend on, so the decisions are those of "all", from fewer rows but in up to
+depth products, each a pass over W: a gain where an LM-head row costs more than such a pass (a CPU that
+emulates bf16 arithmetic), a loss where a pass costs more than the rows it saves (a CPU with native bf16,
+where W's reading dominates; expected on a GPU, not measured). README, "Where a round goes", measures both.
+
 With ``shortlist`` M > 0 (the match rule at T = 0 only) the samples skip that matmul: their logits are
 computed after it, over a shortlist of token ids (``shortlist_ids``: each decision node's M best undropped
 tokens and every draft token), against the gathered rows of W (``shortlist_logits``). A sample's token is
@@ -39,6 +47,9 @@ from .acceptance import choose_tokens
 from .verify import TargetLMHead, lm_head_logits
 
 
+SAMPLE_ROWS = ("all", "reachable")
+
+
 @dataclass(frozen=True)
 class DropMatchConfig:
     """DropMatch settings.
@@ -56,6 +67,9 @@ class DropMatchConfig:
             (mean |h| over the prompt above ``OUTLIER_RATIO`` times the median).
         shortlist: M > 0 scores the samples over a shortlist (each decision node's M best undropped tokens
             and the draft tokens) instead of the whole vocabulary; match rule at T = 0 only; 0 = full.
+        rows: which samples go through the LM head: "all" (every node with children, stacked into the
+            undropped rows' matmul) or "reachable" (level by level, only at nodes reached so far:
+            ``reachable_sample_tokens``; match rule at T = 0). The same decisions either way.
     """
 
     k: int = 0
@@ -66,6 +80,7 @@ class DropMatchConfig:
     auto_rate: float | None = None
     auto_protect: bool = False
     shortlist: int = 0
+    rows: str = "all"
 
     @property
     def active(self) -> bool:
@@ -146,11 +161,73 @@ def dropout_inputs(hidden: torch.Tensor, nodes: torch.Tensor, cfg: DropMatchConf
         rescale: apply the inverted-dropout factor (see ``rescale_needed``).
     """
     masks = dropout_masks(cfg.k, hidden, cfg.p, cfg.protect, generator, rescale)  # [K, N, H]
-    wanted = nodes[None].expand(cfg.k, -1)  # [K, N]
+    return select_samples(hidden, masks, nodes, rescale)
+
+
+def select_samples(hidden: torch.Tensor, masks: torch.Tensor, nodes: torch.Tensor, rescale: bool) -> DropoutSamples:
+    """The samples at ``nodes`` among the K x N masked ones (``dropout_inputs`` says which are left out)."""
+    wanted = nodes[None].expand(masks.shape[0], -1)  # [K, N]
     if not rescale:
         wanted = wanted & (masks == 0).any(dim=-1)
-    sample, node = wanted.nonzero(as_tuple=True)  # [P], [P]; the round's one host sync for DropMatch
-    return DropoutSamples(sample, node, hidden[node] * masks[sample, node], cfg.k)
+    sample, node = wanted.nonzero(as_tuple=True)  # [P], [P]; a host sync
+    return DropoutSamples(sample, node, hidden[node] * masks[sample, node], masks.shape[0])
+
+
+def check_sample_rows(cfg: DropMatchConfig, temperature: float) -> None:
+    """``rows`` is "all" or "reachable"; "reachable" computes the samples level by level, which keeps the
+    decisions of "all" only where a sample's token is its argmax: the match rule at T = 0. Raises ValueError."""
+    if cfg.rows not in SAMPLE_ROWS:
+        raise ValueError(f"dropmatch-rows must be one of {', '.join(SAMPLE_ROWS)}, got {cfg.rows!r}")
+    if cfg.rows == "reachable" and cfg.active and (temperature > 0 or cfg.rule != "match"):
+        raise ValueError("dropmatch-rows reachable decides level by level from each sample's argmax, so it "
+                         "needs the match rule at temperature 0: use --dropmatch-rows all")
+
+
+def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
+                            rescale: bool, score, vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """The match rule's sample tokens, computed only where they can be used: at reached nodes with children.
+
+    A node's samples can change the accepted path only if the node is reached (every token on its path is
+    accepted) and has children. So, level by level from the root: the reached nodes with children at depth
+    d (the frontier) send their samples through ``score``, one LM-head product per level, and a child at
+    depth d + 1 is reached when its token is its parent's undropped token or one of its samples' tokens. The
+    masks are those of ``dropout_inputs`` (drawn for all K x N samples), so every reached node gets the
+    tokens the "all" variant gives it, and the path is the same; the agreement counts, taken over the
+    path's nodes with children, are the same too. Up to depth products instead of one, over fewer rows:
+    faster where a row costs more than a pass over the LM head (a CPU that emulates bf16), slower where the
+    LM head is memory-bound (README, "Where a round goes").
+
+    Args:
+        hidden: [N, H] undropped LM-head inputs of the tree nodes.
+        masks: [K, N, H] dropout multipliers (``dropout_masks``).
+        tree: the ``DraftTree`` (tokens, parents, depths, has_children).
+        target_tokens: [N] the undropped argmax tokens.
+        rescale: whether the masks carry 1/(1 - p) (``rescale_needed``).
+        score: [P, H] dropped inputs -> [P, V] logits (or [P, U] over ``vocab_ids``).
+        vocab_ids: [U] the token of each column of ``score``'s logits, or None for the whole vocabulary.
+
+    Returns:
+        ([K, N] tokens, -1 at nodes not computed; the number of sample rows scored).
+    """
+    k, n = masks.shape[:2]
+    tokens = torch.full((k, n), -1, dtype=torch.long, device=hidden.device)
+    reached = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+    reached[0] = True
+    parents = tree.parents.clamp(min=0)
+    rows = 0
+    for depth in range(n - 1):  # over levels, never over nodes
+        frontier = reached & tree.has_children & (tree.depths == depth)  # [N]
+        if not bool(frontier.any()):
+            break
+        samples = select_samples(hidden, masks, frontier, rescale)
+        level, _ = tokens_of_samples(score(samples.inputs), samples, frontier, target_tokens, 0.0, 1.0, 0, None,
+                                     vocab_ids=vocab_ids)  # [K, N], -1 outside the frontier
+        tokens = torch.where(frontier[None], level, tokens)
+        rows += samples.sample.shape[0]
+        accept_sets = torch.cat([target_tokens[:, None], tokens.T], dim=1)  # [N, K + 1]
+        accepted = (tree.tokens[:, None] == accept_sets[parents]).any(dim=-1)  # [N] its parent accepts it
+        reached = reached | (reached[parents] & accepted & (tree.depths == depth + 1))
+    return tokens, rows
 
 
 def lm_head_with_samples(lm_head: TargetLMHead, hidden: torch.Tensor,

@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dropmatch-shortlist", type=int, default=0, metavar="M",
       help="score DropMatch's samples over each node's M best undropped tokens and the draft tokens instead "
            "of the whole vocabulary (match rule, temperature 0; 0 = whole vocabulary)")
+    a("--dropmatch-rows", default="all", choices=["all", "reachable"],
+      help="which DropMatch samples go through the LM head: all (every node with children, stacked into the "
+           "undropped rows' matmul) or reachable (level by level, only nodes reached so far: fewer rows, more "
+           "passes; faster where LM-head rows are expensive, e.g. a CPU without native bf16). Same decisions; "
+           "reachable needs the match rule at temperature 0")
     a("--seed", type=int, default=0)
     a("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     a("--device", default="cpu", help="cpu, cuda, cuda:N or auto (accelerate device_map)")
@@ -99,7 +104,7 @@ def check_args(args: argparse.Namespace) -> None:
                            top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
                            dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
                            dropmatch_rule=args.dropmatch_rule, rule_top_k=args.rule_top_k,
-                           dropmatch_shortlist=args.dropmatch_shortlist)
+                           dropmatch_shortlist=args.dropmatch_shortlist, dropmatch_rows=args.dropmatch_rows)
     except LoadError as exc:
         raise UsageError(str(exc)) from None
     if args.warmup < 0:
@@ -161,6 +166,7 @@ def run_settings(args: argparse.Namespace, model_id: str) -> dict:
         "dropout_p": _number_or_text(args.dropout_p), "dropmatch_protect": _number_or_text(args.dropmatch_protect),
         "dropmatch_rule": args.dropmatch_rule,
         "dropmatch_shortlist": args.dropmatch_shortlist or None,  # None: the whole vocabulary
+        "dropmatch_rows": args.dropmatch_rows,  # how the samples are computed; the same decisions either way
         "rule_top_k": args.rule_top_k if args.dropmatch_rule == "topk" else None,
         "seed": args.seed, "max_new_tokens": args.max_new_tokens,
         "conv_template": args.conv_template, "system_prompt": args.system_prompt,
@@ -229,7 +235,8 @@ def generate_turn(model, ids, args: argparse.Namespace):
         depth=args.depth, top_k=args.top_k, draft_length=args.draft_length, temperature=args.temperature,
         top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
         dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect, dropmatch_rule=args.dropmatch_rule,
-        rule_top_k=args.rule_top_k, dropmatch_shortlist=args.dropmatch_shortlist, seed=args.seed)
+        rule_top_k=args.rule_top_k, dropmatch_shortlist=args.dropmatch_shortlist,
+        dropmatch_rows=args.dropmatch_rows, seed=args.seed)
 
 
 def answer_question(model, question: dict, args: argparse.Namespace) -> dict:

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -19,9 +20,9 @@ from transformers import DynamicCache
 
 from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, exact, longest_accepted_path,
                          make_rule, rejection_tokens)
-from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, check_shortlist, choose_protect,
-                        dropout_inputs, lm_head_with_samples, rescale_needed, shortlist_ids, shortlist_logits,
-                        tokens_of_samples)
+from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, check_sample_rows, check_shortlist,
+                        choose_protect, dropout_inputs, dropout_masks, lm_head_with_samples, reachable_sample_tokens,
+                        rescale_needed, shortlist_ids, shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
 from .verify import (TargetLMHead, attention_chunk, check_tree_verification, compact_cache, decoder_of,
@@ -65,7 +66,8 @@ class Generation:
         calibration_time: seconds spent choosing them (next to the prefill's), 0 when fixed.
         prefill_time: seconds of the prompt's target forward.
         computed_samples: DropMatch sample rows sent through the LM head, over all rounds (of K x nodes
-            with children; samples that drop nothing are not computed where the argmax is all they give).
+            with children, or with ``rows`` "reachable" of K x reached nodes with children; samples that drop
+            nothing are not computed where the argmax is all they give).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -265,7 +267,9 @@ class SpeculativeDecoder:
         rule = make_rule(dm.rule, dm.rule_top_k) if dm.lossy else exact
         rescale = rescale_needed(dm, cfg.temperature, self.lm_head.bias)
         check_shortlist(dm, cfg.temperature)
+        check_sample_rows(dm, cfg.temperature)
         shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
+        level_by_level = dm.rows == "reachable"  # samples scored after the LM head, only where reached
         aux = self.aux_layer_ids if drafter.needs_features else None
         prompt = self._check_prompt(input_ids)
         gen = _new_generator(self.device, cfg.seed)
@@ -305,11 +309,14 @@ class SpeculativeDecoder:
                     self.decoder, tree.tokens[None], (prefix + tree.depths)[None], cache,
                     self._tree_mask(tree, prefix), aux)  # [N, H], [N, 3H]
             # 2b. DropMatch: K dropped copies of the LM-head input at the nodes with children.
-            samples = None
+            samples = masks = None
             if dm.active:  # only samples at nodes with children can matter (no draft is matched elsewhere)
                 with timer.section("dropmatch"):
-                    samples = dropout_inputs(hidden, tree.has_children, dm, dm_gen, rescale)  # P of K x N
-                    result.computed_samples += len(samples.sample)
+                    if level_by_level:  # the masks now; which samples are computed is known level by level
+                        masks = dropout_masks(dm.k, hidden, dm.p, dm.protect, dm_gen, rescale)  # [K, N, H]
+                    else:
+                        samples = dropout_inputs(hidden, tree.has_children, dm, dm_gen, rescale)  # P of K x N
+                        result.computed_samples += len(samples.sample)
             with timer.section("lm_head"):  # one matmul for the undropped and the dropped rows
                 stacked = None if samples is None or shortlisted else samples.inputs  # [P, H] or None
                 logits, sample_logits = lm_head_with_samples(self.lm_head, hidden, stacked)  # [N, V], [P, V]
@@ -325,11 +332,19 @@ class SpeculativeDecoder:
                     vocab_ids = None
                     if shortlisted:  # the samples' logits over U shortlisted tokens only
                         vocab_ids = shortlist_ids(logits, tree.has_children, tree.tokens, dm.shortlist)  # [U]
-                        sample_logits = shortlist_logits(self.lm_head, samples.inputs, vocab_ids)  # [P, U]
-                    target_view.sample_tokens, target_view.sample_logits = tokens_of_samples(
-                        sample_logits, samples, tree.has_children, tokens, cfg.temperature, cfg.top_p,
-                        cfg.sample_top_k, dm_gen, return_logits=dm.rule == "js",
-                        vocab_ids=vocab_ids)  # [K, N], [K, N, V] or None
+                    if level_by_level:  # score: [P, H] -> [P, V], or [P, U] over the shortlist
+                        score = (partial(shortlist_logits, self.lm_head, ids=vocab_ids) if shortlisted
+                                 else partial(lm_head_logits, self.lm_head))
+                        target_view.sample_tokens, rows = reachable_sample_tokens(
+                            hidden, masks, tree, tokens, rescale, score, vocab_ids)  # [K, N]
+                        result.computed_samples += rows
+                    else:
+                        if shortlisted:
+                            sample_logits = shortlist_logits(self.lm_head, samples.inputs, vocab_ids)  # [P, U]
+                        target_view.sample_tokens, target_view.sample_logits = tokens_of_samples(
+                            sample_logits, samples, tree.has_children, tokens, cfg.temperature, cfg.top_p,
+                            cfg.sample_top_k, dm_gen, return_logits=dm.rule == "js",
+                            vocab_ids=vocab_ids)  # [K, N], [K, N, V] or None
             # 3. Accept the longest path whose every token is in its parent's accepted set.
             with timer.section("bookkeeping"):
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))

@@ -22,7 +22,7 @@ import torch
 
 from .draft_model import DraftModelError, ModelDrafter, check_tokenizers
 from .drafters import Drafter, Eagle3Drafter
-from .dropmatch import DropMatchConfig, check_shortlist
+from .dropmatch import DropMatchConfig, check_sample_rows, check_shortlist
 from .generate import DecodeConfig, Generation, RoundTimer, SpeculativeDecoder
 from .head import Eagle3Head, HeadError, check_aux_layer_ids, default_aux_layer_ids, load_head
 from .verify import check_layer_types, check_tree_verification
@@ -145,20 +145,24 @@ class EagleModel:
                  temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
                  dropmatch_k: int = 0, dropout_p: float | str = 0.3, dropmatch_protect: int | str = 0,
                  dropmatch_rule: str = "match", rule_top_k: int = 2, dropmatch_shortlist: int = 0,
-                 seed: int = 0, baseline: bool = False, timer: RoundTimer | None = None) -> Generation:
+                 dropmatch_rows: str = "all", seed: int = 0, baseline: bool = False,
+                 timer: RoundTimer | None = None) -> Generation:
         """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
 
         ``method``: "eagle3" (tree N/D/K = total_token/depth/top_k; top_k 1 is chain mode), "sd" (the
         draft model, chains of ``draft_length``) or "baseline"; default "sd" when a draft model is
         loaded, else "eagle3". ``dropmatch_rule``: "match", "js" (chains only) or "topk"
         (``rule_top_k``). ``dropmatch_shortlist`` M > 0 scores the samples over each decision node's M best
-        undropped tokens and the draft tokens (match rule, temperature 0). Every lossy setting is lossy even
-        at temperature 0.
+        undropped tokens and the draft tokens (match rule, temperature 0). ``dropmatch_rows`` "reachable"
+        scores the samples level by level, only at nodes reached so far (the same decisions as "all", which
+        stacks every node's samples into one LM-head matmul; match rule, temperature 0). Every lossy setting
+        is lossy even at temperature 0.
         """
         cfg = make_decode_config(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  sample_top_k=sample_top_k, dropmatch_k=dropmatch_k, dropout_p=dropout_p,
                                  dropmatch_protect=dropmatch_protect, dropmatch_rule=dropmatch_rule,
-                                 rule_top_k=rule_top_k, dropmatch_shortlist=dropmatch_shortlist, seed=seed)
+                                 rule_top_k=rule_top_k, dropmatch_shortlist=dropmatch_shortlist,
+                                 dropmatch_rows=dropmatch_rows, seed=seed)
         method = "baseline" if baseline else method or ("sd" if self.draft is not None else "eagle3")
         if method == "baseline":
             return self.decoder.generate_baseline(input_ids, cfg)
@@ -243,7 +247,7 @@ def parse_protect(value: int | str) -> tuple[int, bool]:
 def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                        sample_top_k: int = 0, dropmatch_k: int = 0, dropout_p: float | str = 0.3,
                        dropmatch_protect: int | str = 0, dropmatch_rule: str = "match", rule_top_k: int = 2,
-                       dropmatch_shortlist: int = 0, seed: int = 0) -> DecodeConfig:
+                       dropmatch_shortlist: int = 0, dropmatch_rows: str = "all", seed: int = 0) -> DecodeConfig:
     """Validated decoding settings (LoadError with one clear sentence on bad values)."""
     if max_new_tokens < 1:
         raise LoadError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -262,9 +266,11 @@ def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: 
     if rule_top_k < 1:
         raise LoadError(f"rule-top-k must be >= 1, got {rule_top_k}")
     dm = DropMatchConfig(k=dropmatch_k, p=p, protect=protect, rule=dropmatch_rule, rule_top_k=rule_top_k,
-                         auto_rate=auto_rate, auto_protect=auto_protect, shortlist=dropmatch_shortlist)
+                         auto_rate=auto_rate, auto_protect=auto_protect, shortlist=dropmatch_shortlist,
+                         rows=dropmatch_rows)
     try:
         check_shortlist(dm, temperature)
+        check_sample_rows(dm, temperature)
     except ValueError as exc:
         raise LoadError(str(exc)) from None
     return DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

@@ -21,9 +21,11 @@ from .common import EvalError, warn
 SETTING_KEYS = (
     "method", "model_path", "ea_model_path", "draft_model_path", "bench", "dtype", "device", "total_token",
     "depth", "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
-    "dropmatch_protect", "dropmatch_rule", "dropmatch_shortlist", "rule_top_k", "max_new_tokens",
-    "conv_template", "system_prompt",
+    "dropmatch_protect", "dropmatch_rule", "dropmatch_shortlist", "dropmatch_rows", "rule_top_k",
+    "max_new_tokens", "conv_template", "system_prompt",
 )
+#: Values a meta written before a key existed stands for (so older runs stay repeats of newer ones).
+SETTING_DEFAULTS = {"dropmatch_rows": "all"}
 
 _PER_TURN_LISTS = ("token_ids", "new_tokens", "wall_time", "idxs", "accept_lengths", "exact_accept_lengths",
                    "agreement", "accepted_set_size")
@@ -115,7 +117,8 @@ class AnswerFile:
     def settings_key(self) -> str:
         """A key equal for repeats of one configuration: meta settings minus the seed, else the model id."""
         if self.meta:
-            return json.dumps({k: self.meta.get(k) for k in SETTING_KEYS}, sort_keys=True, default=str)
+            return json.dumps({k: self.meta.get(k, SETTING_DEFAULTS.get(k)) for k in SETTING_KEYS}, sort_keys=True,
+                              default=str)
         return json.dumps({"model_id": self.model_id})
 
     @property
@@ -130,7 +133,9 @@ class AnswerFile:
             protect, shortlist = self.meta.get("dropmatch_protect"), self.meta.get("dropmatch_shortlist")
             text += (f" + DropMatch (K={self.meta.get('dropmatch_k')}, p={self.meta.get('dropout_p')}"
                      + (f", protect={protect}" if protect not in (None, 0, "0") else "")
-                     + (f", shortlist {shortlist}" if shortlist else "") + ")")
+                     + (f", shortlist {shortlist}" if shortlist else "")
+                     + (f", rows {self.meta['dropmatch_rows']}" if self.meta.get("dropmatch_rows", "all") != "all"
+                        else "") + ")")
         elif self.meta.get("dropmatch_rule") == "topk":
             text += f" + top-{self.meta.get('rule_top_k')} acceptance"
         return text

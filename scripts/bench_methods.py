@@ -4,8 +4,10 @@
         --variant "baseline=--baseline" --variant "eagle3=" \\
         --variant "dropmatch=--dropmatch-k 5 --dropout-p 0.3"
 
-Every variant is a set of `python -m eagle_dropmatch.gen` flags. The target is loaded once; variants may
-name different heads (`--ea-model-path`), which are loaded beside it, so two heads are compared side by side.
+Every variant is a set of `python -m eagle_dropmatch.gen` flags. Each target is loaded once: variants that
+differ in a load flag (`--dtype`, `--model-path`, `--device`, `--draft-model-path`) get a target each, and
+variants may name different heads (`--ea-model-path`), which are loaded beside their target, so two heads or
+two dtypes are compared side by side.
 Questions are answered variant after variant for each question in turn (so machine noise hits all variants
 alike), with one warm-up per variant. Each variant's answers are written in gen's format (answer file plus
 meta) under --out-dir, so `python -m evaluation.speed|quality|gsm8k` read them. Prints tokens/s, tau, the exact-match
@@ -31,7 +33,7 @@ from eagle_dropmatch.loading import EagleModel, LoadError, bundled_head_path, lo
 from eagle_dropmatch.resources import ResourceError, questions_path, read_questions  # noqa: E402
 
 
-LOAD_FLAGS = ("model_path", "draft_model_path", "dtype", "device")  # one target: the same in every variant
+LOAD_FLAGS = ("model_path", "draft_model_path", "dtype", "device")  # variants sharing these share a target
 
 
 def parse_variants(specs: list[str], common: list[str]) -> dict[str, argparse.Namespace]:
@@ -46,23 +48,43 @@ def parse_variants(specs: list[str], common: list[str]) -> dict[str, argparse.Na
     return variants
 
 
-def models_by_variant(model: EagleModel, variants: dict[str, argparse.Namespace],
-                      first: argparse.Namespace) -> dict[str, EagleModel]:
-    """The model each variant decodes with: one per distinct ``--ea-model-path``, all sharing the loaded target.
+def models_by_variant(variants: dict[str, argparse.Namespace]) -> dict[str, EagleModel]:
+    """The model each variant decodes with: one target per distinct load flags (``LOAD_FLAGS``: target, draft
+    model, dtype, device), and on each one head per distinct ``--ea-model-path``, all sharing that target.
+
+    So variants that differ only in their head or decoding flags share one loaded target, and variants that
+    differ in ``--dtype`` (or another load flag) are still answered question by question side by side.
+    """
+    groups: dict[tuple, dict[str, argparse.Namespace]] = {}
+    for name, vargs in variants.items():
+        groups.setdefault(tuple(getattr(vargs, k) for k in LOAD_FLAGS), {})[name] = vargs
+    models = {}
+    for group in groups.values():
+        first = next(iter(group.values()))
+        model = load(first.model_path, first.ea_model_path, draft_model_path=first.draft_model_path,
+                     dtype=first.dtype, device=first.device, progress=False)
+        models.update(heads_by_variant(model, group, first))
+    return models
+
+
+def heads_by_variant(model: EagleModel, variants: dict[str, argparse.Namespace],
+                     first: argparse.Namespace) -> dict[str, EagleModel]:
+    """The model each variant of one target decodes with: one per distinct ``--ea-model-path``.
 
     ``model`` was loaded with ``first``'s head; None stands for the default head (the bundled one for the
     embedded default). Plain decoding (``--baseline``) needs no head and uses ``model``.
     """
     by_head = {first.ea_model_path: model}
     for vargs in variants.values():
-        if vargs.baseline or vargs.ea_model_path in by_head:
+        if vargs.baseline or vargs.draft_model_path or vargs.ea_model_path in by_head:
             continue
         path = vargs.ea_model_path or (bundled_head_path() if vargs.model_path is None else None)
         if path is None:
             raise LoadError("a variant without --ea-model-path has no head to use; give every EAGLE-3 "
                             "variant its --ea-model-path")
         by_head[vargs.ea_model_path] = model.with_head(path)
-    return {name: model if vargs.baseline else by_head[vargs.ea_model_path] for name, vargs in variants.items()}
+    return {name: model if vargs.baseline or vargs.draft_model_path else by_head[vargs.ea_model_path]
+            for name, vargs in variants.items()}
 
 
 def summarise(records: list[dict]) -> dict:
@@ -100,18 +122,11 @@ def main(argv=None) -> int:
     common = shlex.split(args.common) + ["--bench", args.bench]
     try:
         variants = parse_variants(args.variant, common)
-        first = next(iter(variants.values()))
-        loaded_once = [k for k in LOAD_FLAGS if any(getattr(v, k) != getattr(first, k) for v in variants.values())]
-        if loaded_once:  # the target is loaded once: per-variant target flags would be silently ignored
-            raise gen.UsageError(f"variants differ in {', '.join('--' + k.replace('_', '-') for k in loaded_once)}; "
-                                 "the target is loaded once, so put those flags in --common and run one benchmark "
-                                 "per target")
         qfile = questions_path(args.question_file, args.bench)
         questions = read_questions(qfile, args.question_begin, args.question_end)
         if not questions:
             raise gen.UsageError(f"no questions in {qfile} between --question-begin and --question-end")
-        model = load(first.model_path, first.ea_model_path, dtype=first.dtype, device=first.device, progress=False)
-        models = models_by_variant(model, variants, first)
+        models = models_by_variant(variants)
     except (gen.UsageError, LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -165,7 +180,8 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{args.bench}: {len(questions)} questions x {args.turns} turn(s), {first.dtype}, "
+    dtypes = sorted({v.dtype for v in variants.values()})
+    print(f"{args.bench}: {len(questions)} questions x {args.turns} turn(s), {'/'.join(dtypes)}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'variant':24s}{'tokens':>8s}{'tok/s':>8s}{'speedup':>9s}{'med q':>7s}{'tau':>7s}{'exact tau':>10s}"
           f"{'tau/prev':>9s}{'tok/s/prev':>11s}{'agree':>7s}{'identical':>10s}")

@@ -3,17 +3,19 @@
     python scripts/bench_round.py [--model-path T --ea-model-path H] [--questions 8] [--dtype bfloat16]
 
 Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5; p=0.3 by default, several with ``--dropout-p 0.3 auto
---protect 0 auto``; each also with its samples scored over a shortlist with ``--shortlist M``) on the same
-MT-Bench prompts, interleaved question by question, and prints the mean milliseconds per round in each
-section (medians over questions) and the DropMatch sample rows computed per round. Those rows share the
-undropped rows' LM-head matmul (or, with a shortlist, are scored after it, in "dropmatch"), so part of
-DropMatch's cost may be inside "lm_head"; its cost per round is therefore measured side by side as
+--protect 0 auto``; each also with its samples scored over a shortlist with ``--shortlist M``, and level by
+level at reached nodes only with ``--rows all reachable``) on the same MT-Bench prompts, interleaved question
+by question, and prints the mean milliseconds per round in each section (medians over questions) and the
+DropMatch sample rows computed per round. Those rows share the undropped rows' LM-head matmul (or, with a
+shortlist or level by level, are scored after it, in "dropmatch"), so part of DropMatch's cost may be inside
+"lm_head"; its cost per round is therefore measured side by side as
 
     (lm_head + dropmatch + bookkeeping) with DropMatch - (lm_head + bookkeeping) of lossless EAGLE-3
 
 and its share is that cost over the DropMatch round. It also times the LM head alone with extra rows stacked
-into the same matmul or sent through a second one, checks that stacking leaves the first rows bit for bit, and
-counts the prompt positions whose argmax the inverted-dropout factor 1/(1-p) alone changes (rounding).
+into the same matmul or sent through a second one, checks that stacking leaves the first rows bit for bit,
+counts the prompt positions whose argmax the inverted-dropout factor 1/(1-p) alone changes (rounding), and
+times one target forward over 1 to 32 new tokens (what a tree costs against plain decoding's one token).
 Not a test: the figures depend on the machine's load.
 """
 
@@ -78,6 +80,29 @@ def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
             raise AssertionError("first_argmax differs from max(dim=-1).indices")
         costs["argmax_ms"][nodes + e] = {"max": median_ms(lambda: logits.max(dim=-1).indices, dev),
                                          "first_argmax": median_ms(lambda: first_argmax(logits), dev)}
+    return costs
+
+
+@torch.no_grad()
+def forward_costs(model, prompt: torch.Tensor, sizes=(1, 2, 4, 8, 16, 32), repeats: int = 5) -> dict[int, float]:
+    """Milliseconds of one target forward (the body, no LM head) over S new tokens on top of the prompt's
+    cache, per S: what a verification round's "target" section costs against plain decoding's one token.
+    Median of ``repeats``; the cache is rebuilt for each (not timed)."""
+    from eagle_dropmatch.verify import new_cache, target_forward
+    decoder, aux = model.decoder.decoder, model.decoder.aux_layer_ids
+    positions = torch.arange(len(prompt), device=prompt.device)[None]
+    costs = {}
+    for size in sizes:
+        tokens = prompt[-1:].repeat(size)[None]  # [1, S]
+        times = []
+        for _ in range(repeats):
+            cache = new_cache(model.target.config)
+            target_forward(decoder, prompt[None], positions, cache, None, None)
+            start = time.perf_counter()
+            target_forward(decoder, tokens, positions[:, -1:] + 1 + torch.arange(size, device=prompt.device),
+                           cache, None, aux)
+            times.append(time.perf_counter() - start)
+        costs[size] = 1000 * statistics.median(times)
     return costs
 
 
@@ -155,6 +180,10 @@ def main(argv=None) -> int:
     p.add_argument("--shortlist", type=int, nargs="+", default=[],
                    help="also run each DropMatch variant with its samples scored over a shortlist of each M "
                         "(--dropmatch-shortlist)")
+    p.add_argument("--rows", nargs="+", default=["all"], choices=["all", "reachable"],
+                   help="how each DropMatch variant computes its samples (--dropmatch-rows): all (stacked into "
+                        "the LM-head matmul) and/or reachable (level by level, only at reached nodes); with "
+                        "both, the table also says on how many questions they give the same tokens")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
@@ -169,9 +198,11 @@ def main(argv=None) -> int:
         for dropout_p, protect in zip(args.dropout_p, protects):
             parse_dropout_p(dropout_p), parse_protect(protect)  # bad values: one line before loading
             name = f"dropmatch K={args.dropmatch_k} p={dropout_p} prot={protect}"
-            variants[name] = dict(dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
-            for m in args.shortlist:
-                variants[f"{name} M={m}"] = dict(variants[name], dropmatch_shortlist=m)
+            base = dict(dropmatch_k=args.dropmatch_k, dropout_p=dropout_p, dropmatch_protect=protect)
+            for m in [0, *args.shortlist]:
+                for rows in args.rows:
+                    label = name + (f" M={m}" if m else "") + ("" if rows == "all" else f" rows={rows}")
+                    variants[label] = dict(base, dropmatch_shortlist=m, dropmatch_rows=rows)
         model, questions = load_model_and_questions(args)
     except (LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -182,6 +213,7 @@ def main(argv=None) -> int:
     for kwargs in variants.values():  # warm-up
         model.generate(first, **{**shape, **kwargs, "max_new_tokens": 16})
     per_question = {name: [] for name in variants}
+    answers = {name: [] for name in variants}
     prompts = [model.chat_ids([{"role": "user", "content": q["turns"][0]}]).to(model.decoder.device)
                for q in questions]
     for ids in prompts:
@@ -189,18 +221,31 @@ def main(argv=None) -> int:
             timer = RoundTimer(model.decoder.device)
             out = model.generate(ids, **shape, **kwargs, timer=timer)
             per_question[name].append(round_record(out, timer))
+            answers[name].append(out.token_ids)
     table = round_table(per_question)
+    for name in variants:  # the level-by-level rows decide as the stacked ones: on how many answers, measured
+        stacked = name.rsplit(" rows=", 1)[0]
+        if stacked != name and stacked in answers:
+            table[name]["same_tokens_as_all_rows"] = sum(a == b for a, b in zip(answers[name], answers[stacked]))
     costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [5, 10, 20, 30])
     flips = rescale_flip_share(model, prompts)
-    result = {"settings": vars(args), "per_round_ms": table, "lm_head": costs, "rescale_flips": flips}
+    forward = forward_costs(model, prompts[0])
+    result = {"settings": vars(args), "per_round_ms": table, "lm_head": costs, "rescale_flips": flips,
+              "target_forward_ms": forward}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print_report(table, costs, f"per verification round, median over {len(questions)} questions ({args.dtype}, "
                  f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads):")
+    for name, row in table.items():
+        if "same_tokens_as_all_rows" in row:
+            print(f"{name}: the same tokens as all rows on {row['same_tokens_as_all_rows']}/{len(questions)} "
+                  "questions")
     print(f"argmax changed by the 1/(1-p) factor alone (nothing dropped, {args.dtype}), share of "
           f"{flips['positions']} prompt positions: "
           + ", ".join(f"p={p}: {100 * v:.2f}%" for p, v in flips["share"].items()))
+    print("target forward (body, no LM head) over S new tokens on the first prompt's cache: "
+          + ", ".join(f"S={s} {ms:.1f} ms ({ms / forward[1]:.2f}x)" for s, ms in forward.items()))
     return 0
 
 

@@ -6,8 +6,8 @@ import torch
 from eagle_dropmatch.acceptance import (ARGMAX_BLOCK, DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         first_argmax, longest_accepted_path, process_logits, top_k_rule)
 from eagle_dropmatch.dropmatch import (DropMatchConfig, agreement_counts, dropout_inputs, dropout_masks,
-                                       lm_head_with_samples, rescale_needed, shortlist_ids, shortlist_logits,
-                                       tokens_of_samples)
+                                       lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
+                                       shortlist_logits, tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
 from eagle_dropmatch.verify import TargetLMHead
 
@@ -153,6 +153,76 @@ def test_sampled_rows_subset_gives_the_same_decisions():
     assert (some_rows[:, [1, 3, 4, 6]] == -1).all()
     assert (all_rows >= 0).all()
     assert torch.equal(all_rows, every_sample_argmax(hidden, weight, cfg, seed=3, rescale=True))
+
+
+def reachable_scenario(undropped: list[int], sample_token: int):
+    """``reachable_sample_tokens`` on the 7-node tree with every sample's argmax forced to ``sample_token``
+    (the score ignores its input) and masks that drop at least one dimension of every sample."""
+    hidden = torch.ones(7, 16)
+    masks = torch.ones(4, 7, 16)
+    masks[..., 0] = 0  # every sample drops dimension 0: none is the undropped row
+    scored = []
+
+    def score(dropped):
+        scored.append(dropped.shape[0])
+        return forced_logits([sample_token] * dropped.shape[0])
+    tree = DraftTree.from_parents(TOKENS, PARENTS)
+    tokens, rows = reachable_sample_tokens(hidden, masks, tree, torch.tensor(undropped), False, score)
+    return tokens, rows, scored
+
+
+def test_reachable_rows_root_rejects_everything():
+    """Neither the undropped token nor any sample matches a child of the root: only the root's 4 samples
+    are scored, in one product, and no deeper node is computed."""
+    tokens, rows, scored = reachable_scenario([0, 3, 5, 0, 0, 6, 0], sample_token=8)
+    assert rows == 4 and scored == [4]
+    assert (tokens[:, 0] == 8).all() and (tokens[:, 1:] == -1).all()
+
+
+def test_reachable_rows_follow_exact_and_sample_accepted_branches():
+    """The root's undropped token accepts node 1 and its samples (all 2) node 2: both are reached, so their
+    samples are scored at depth 1, in one product of 8 rows. Neither opens a child (nodes 1 and 2 accept
+    {7, 2}), so node 5 is not reached and nothing more is scored; leaves (3, 4, 6) never are."""
+    tokens, rows, scored = reachable_scenario([1, 7, 7, 0, 0, 0, 0], sample_token=2)
+    assert scored == [4, 8] and rows == 12
+    assert (tokens[:, [0, 1, 2]] == 2).all() and (tokens[:, [3, 4, 5, 6]] == -1).all()
+
+
+def test_reachable_rows_go_deeper_through_a_sample_accepted_node():
+    """Node 2 is reached only through the root's samples; its undropped token (5) then reaches node 5, whose
+    samples are scored at depth 2."""
+    tokens, rows, scored = reachable_scenario([1, 7, 5, 0, 0, 0, 0], sample_token=2)
+    assert scored == [4, 8, 4] and rows == 16
+    assert (tokens[:, [0, 1, 2, 5]] == 2).all() and (tokens[:, [3, 4, 6]] == -1).all()
+
+
+def test_reachable_rows_decide_as_all_rows_on_random_samples():
+    """On random inputs and weights (masks shared), the reached nodes get the tokens the all-rows variant
+    gives them, the verifier picks the same path from either, and every node of the path with children (the
+    agreement counts' nodes) is computed; over all trees, fewer rows are scored."""
+    lazy_rows = all_rows = 0
+    for seed in range(20):
+        gen_data = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(7, 16, generator=gen_data, dtype=torch.float64)
+        weight = torch.randn(V, 16, generator=gen_data, dtype=torch.float64)
+        tokens_tree = torch.randint(0, V, (7,), generator=gen_data)
+        tree = DraftTree.from_parents(tokens_tree, PARENTS)
+        undropped = first_argmax(hidden @ weight.T)
+        masks = dropout_masks(5, hidden, 0.3, 0, torch.Generator().manual_seed(seed), rescale=False)
+        every = first_argmax(torch.einsum("knh,vh->knv", hidden[None] * masks, weight))  # [K, N]
+        every = torch.where(tree.has_children[None], every, -1)
+        lazy, rows = reachable_sample_tokens(hidden, masks, tree, undropped, False, lambda x: x @ weight.T)
+        paths = []
+        for samples in (every, lazy):
+            sets = dropmatch_match(TargetView(None, undropped, samples), DraftView(tree.tokens, tree.parents))
+            paths.append(longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors, sets))
+        assert torch.equal(paths[0], paths[1])
+        computed = (lazy >= 0).any(0)
+        assert torch.equal(lazy[:, computed], every[:, computed])
+        path = paths[1]
+        assert computed[path][tree.has_children[path]].all()
+        lazy_rows, all_rows = lazy_rows + rows, all_rows + 5 * int(tree.has_children.sum())
+    assert lazy_rows < all_rows
 
 
 def test_samples_that_drop_nothing_are_skipped_and_take_the_undropped_token():

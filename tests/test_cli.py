@@ -97,6 +97,8 @@ BAD_NUMBERS = [
      "needs the match rule at temperature 0"),
     (["--dropmatch-k", "5", "--dropmatch-shortlist", "64", "--dropmatch-rule", "js", "--top-k", "1"],
      "needs the match rule at temperature 0"),
+    (["--dropmatch-k", "5", "--dropmatch-rows", "reachable", "--temperature", "0.7"],
+     "needs the match rule at temperature 0"),
     (["--baseline", "--dropmatch-k", "5"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
     (["--baseline", "--dropmatch-rule", "topk"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
 ]

@@ -144,6 +144,34 @@ def test_dropmatch_shortlist_of_the_whole_vocabulary_decides_as_the_full_rule(ta
             max_new_tokens=4, temperature=0.7, dropmatch=DropMatchConfig(k=5, p=0.3, shortlist=8)))
 
 
+def test_dropmatch_reachable_rows_decide_as_all_rows(target):
+    """--dropmatch-rows reachable scores the samples level by level, only at reached nodes: the same tokens,
+    rounds and agreement counts as stacking every node's samples into the LM-head matmul (with and without a
+    shortlist, on oracle chains and on branching EAGLE-3 trees), from fewer sample rows."""
+    engine = SpeculativeDecoder(target, AUX)
+    rows = {"all": 0, "reachable": 0}
+    for i, prompt in enumerate(prompts(4, seed=21)):
+        reference, second = greedy_reference(target, prompt, 30, runner_up=True)
+        for make_drafter, shortlist, p in (
+                (lambda: OracleDrafter(reference, depth=5, vocab=96, error_rate=0.8, seed=i, runner_up=second), 0, 0.3),
+                (lambda: Eagle3Drafter(tiny_head(target, seed=i), 16, 4, 4), 0, 0.3),
+                (lambda: Eagle3Drafter(tiny_head(target, seed=i), 16, 4, 4), 4, 0.05)):
+            out = {}
+            for how in rows:
+                dm = DropMatchConfig(k=5, p=p, shortlist=shortlist, rows=how)
+                out[how] = engine.generate(prompt, make_drafter(), DecodeConfig(max_new_tokens=30, seed=i, dropmatch=dm))
+                rows[how] += out[how].computed_samples
+            a, b = out["all"], out["reachable"]
+            assert a.token_ids == b.token_ids and a.accept_lengths == b.accept_lengths
+            assert a.exact_accept_lengths == b.exact_accept_lengths
+            assert (a.verified_positions, a.agreeing_positions, a.accepted_set_total) == \
+                   (b.verified_positions, b.agreeing_positions, b.accepted_set_total)
+    assert rows["reachable"] < rows["all"]
+    with pytest.raises(ValueError, match="needs the match rule at temperature 0"):
+        engine.generate(prompt, OracleDrafter(reference, depth=5, vocab=96), DecodeConfig(
+            max_new_tokens=4, temperature=0.7, dropmatch=DropMatchConfig(k=5, p=0.3, rows="reachable")))
+
+
 def test_dropmatch_is_deterministic_for_a_seed(target):
     engine = SpeculativeDecoder(target, AUX)
     drafter = Eagle3Drafter(tiny_head(target, seed=3), 16, 4, 4)

@@ -118,6 +118,13 @@ def test_different_settings_are_separate_groups(tmp_path, files):
     rep = speed.speed_report([dm, shortlisted], [base])
     assert [g["n_runs"] for g in rep["groups"]] == [1, 1]
     assert rep["runs"][1]["label"] == "EAGLE-3 + DropMatch (K=5, p=0.3, shortlist 256)"
+    # Level-by-level sample rows decide alike but time differently: a group of their own; a meta from before
+    # the key existed stands for the stacked rows, so it stays a repeat of an explicit "all".
+    level = write_answers(tmp_path / "lv.jsonl", dm_records(), {**META_DM, "dropmatch_rows": "reachable"})
+    stacked = write_answers(tmp_path / "st.jsonl", dm_records(), {**META_DM, "dropmatch_rows": "all"})
+    rep = speed.speed_report([dm, stacked, level], [base])
+    assert [g["n_runs"] for g in rep["groups"]] == [2, 1]
+    assert rep["runs"][2]["label"] == "EAGLE-3 + DropMatch (K=5, p=0.3, rows reachable)"
 
 
 def test_lossless_exact_tau_equals_tau(tmp_path, files):

@@ -25,7 +25,10 @@ def test_bench_device_smoke(capsys):
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     table = report["trees"]["4/2/2"]["per_round_ms"]
-    assert set(table) == {"eagle3", "dropmatch K=5 p=0.3", "dropmatch K=5 p=0.3 M=256"}
+    assert set(table) == {"eagle3", "dropmatch K=5 p=0.3", "dropmatch K=5 p=0.3 M=256",
+                          "dropmatch K=5 p=0.3 rows=reachable"}
+    level = table["dropmatch K=5 p=0.3 rows=reachable"]
+    assert 0 < level["sample_rows"] <= table["dropmatch K=5 p=0.3"]["sample_rows"]
     dm = table["dropmatch K=5 p=0.3"]
     assert dm["round"] > 0 and dm["lm_head"] > 0 and dm["dropmatch"] > 0
     shortlisted = table["dropmatch K=5 p=0.3 M=256"]
@@ -95,16 +98,22 @@ def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, c
     rc = module.main(["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
                       "--question-file", str(tiny_model_dir / "questions.jsonl"), "--questions", "2",
                       "--max-new-tokens", "12", "--dtype", "float32", "--dropout-p", "0.3", "0.001",
-                      "--protect", "0", "--json"])
+                      "--protect", "0", "--rows", "all", "reachable", "--json"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     table = report["per_round_ms"]
-    assert set(table) == {"eagle3", "dropmatch K=5 p=0.3 prot=0", "dropmatch K=5 p=0.001 prot=0"}
+    assert set(table) == {"eagle3", "dropmatch K=5 p=0.3 prot=0", "dropmatch K=5 p=0.001 prot=0",
+                          "dropmatch K=5 p=0.3 prot=0 rows=reachable", "dropmatch K=5 p=0.001 prot=0 rows=reachable"}
+    level = table["dropmatch K=5 p=0.3 prot=0 rows=reachable"]
+    assert level["same_tokens_as_all_rows"] == 2  # the same decisions, fewer rows
+    assert level["sample_rows"] < table["dropmatch K=5 p=0.3 prot=0"]["sample_rows"]
     assert table["eagle3"]["sample_rows"] == 0
     dense, sparse = table["dropmatch K=5 p=0.3 prot=0"], table["dropmatch K=5 p=0.001 prot=0"]
     assert 0 < dense["sample_rows"] <= 5 * 8  # K x nodes with children, of the default 8-node tree
     assert sparse["sample_rows"] < dense["sample_rows"]  # at p=0.001 most samples drop nothing: skipped
     assert set(report["lm_head"]["argmax_ms"]) == {"8", "13", "18", "28", "38"}  # 8 nodes + 0/5/10/20/30 rows
+    forward = report["target_forward_ms"]
+    assert set(forward) == {"1", "2", "4", "8", "16", "32"} and all(ms > 0 for ms in forward.values())
 
 
 def test_bench_round_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
@@ -172,8 +181,6 @@ def test_bench_methods_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
     module = _script("bench_methods")
     target, questions = str(tiny_model_dir / "target"), str(tiny_model_dir / "questions.jsonl")
     base = ["--question-file", questions, "--out-dir", str(tmp_path / "out")]
-    assert module.main([*base, "--common", f"--model-path {target}", "--variant", "a=--baseline",
-                        "--variant", "b=--baseline --dtype float32"]) == 2  # two targets
     assert module.main([*base, "--common", f"--model-path {target}", "--variant", "a=--top-k 0"]) == 2
     assert module.main([*base, "--common", f"--model-path {target}", "--variant", "a=--baseline",
                         "--variant", f"b=--ea-model-path {tmp_path / 'nowhere'}"]) == 2
@@ -182,8 +189,39 @@ def test_bench_methods_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
     assert module.main([*base, "--question-begin", "5", "--common", f"--model-path {target}",
                         "--variant", "a=--baseline"]) == 2
     err = capsys.readouterr().err
-    assert sum(line.startswith("error: ") for line in err.splitlines()) == 5 and "Traceback" not in err, err
+    assert sum(line.startswith("error: ") for line in err.splitlines()) == 4 and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()  # nothing written before the input was checked
+
+
+def test_bench_methods_compares_two_dtypes_side_by_side(tiny_model_dir, tmp_path, capsys):
+    """Variants that differ in --dtype get a target each, loaded once, and each variant's answers are the
+    ones gen writes with that dtype alone."""
+    import torch
+    from eagle_dropmatch import gen
+    questions = str(tiny_model_dir / "questions.jsonl")
+    common = f"--model-path {tiny_model_dir / 'target'} --max-new-tokens 12 --total-token 4 --depth 2 --top-k 2"
+    dtypes = {"plain32": "--baseline --dtype float32", "plain16": "--baseline --dtype bfloat16",
+              "eagle16": f"--ea-model-path {tiny_model_dir / 'head'} --dtype bfloat16"}
+    rc = _script("bench_methods").main(
+        ["--question-file", questions, "--out-dir", str(tmp_path / "bench"), "--common", common, "--json",
+         *[f"--variant={name}={flags}" for name, flags in dtypes.items()]])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["table"]) == set(dtypes)
+    module = _script("bench_methods")
+    models = module.models_by_variant(module.parse_variants(
+        [f"{name}={flags}" for name, flags in dtypes.items()], [*common.split(), "--question-file", questions]))
+    assert {name: m.target.dtype for name, m in models.items()} == {
+        "plain32": torch.float32, "plain16": torch.bfloat16, "eagle16": torch.bfloat16}
+    assert models["plain16"].target is models["eagle16"].target  # one target per dtype, loaded once
+    for name, flags in dtypes.items():
+        meta = json.loads((tmp_path / "bench" / f"{name}.jsonl.meta.json").read_text())
+        assert meta["dtype"] == flags.split()[-1]
+        alone = tmp_path / f"{name}.jsonl"
+        assert gen.main([*common.split(), *flags.split(), "--question-file", questions, "--answer-file", str(alone),
+                         "--no-progress"]) == 0
+        side_by_side = [json.loads(line)["choices"][0]["turns"] for line in (tmp_path / "bench" / f"{name}.jsonl").open()]
+        assert side_by_side == [json.loads(line)["choices"][0]["turns"][:1] for line in alone.open()]  # turn 1
 
 
 def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_path, capsys):
