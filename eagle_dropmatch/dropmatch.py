@@ -24,7 +24,8 @@ samples of nodes reached so far (every token on their path accepted) that have c
 samples the accepted path can depend on, so the decisions are those of "all", from fewer rows but in up to
 depth products, each a pass over W: a gain where an LM-head row costs more than such a pass (a CPU that
 emulates bf16 arithmetic), a loss where a pass costs more than the rows it saves (a CPU with native bf16,
-where W's reading dominates; expected on a GPU, not measured). README, "Where a round goes", measures both.
+where reading W dominates; fp32 on an AVX2-only CPU, where a product of a few rows is slow; expected on a
+GPU, not measured). README, "On a CPU without native bf16", measures both.
 
 With ``shortlist`` M > 0 (the match rule at T = 0 only) the samples skip that matmul: their logits are
 computed after it, over a shortlist of token ids (``shortlist_ids``: each decision node's M best undropped
@@ -194,8 +195,8 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     masks are those of ``dropout_inputs`` (drawn for all K x N samples), so every reached node gets the
     tokens the "all" variant gives it, and the path is the same; the agreement counts, taken over the
     path's nodes with children, are the same too. Up to depth products instead of one, over fewer rows:
-    faster where a row costs more than a pass over the LM head (a CPU that emulates bf16), slower where the
-    LM head is memory-bound (README, "Where a round goes").
+    faster where a row costs as much alone as stacked (bf16 on a CPU that emulates it), slower where a pass
+    over the LM head costs more than the rows it saves (README, "On a CPU without native bf16").
 
     Args:
         hidden: [N, H] undropped LM-head inputs of the tree nodes.
