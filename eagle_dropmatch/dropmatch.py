@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import choose_tokens
+from .acceptance import accepted_mask, choose_tokens
 from .verify import TargetLMHead, lm_head_logits
 
 
@@ -212,9 +212,7 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     """
     k, n = masks.shape[:2]
     tokens = torch.full((k, n), -1, dtype=torch.long, device=hidden.device)
-    reached = torch.zeros(n, dtype=torch.bool, device=hidden.device)
-    reached[0] = True
-    parents = tree.parents.clamp(min=0)
+    reached = tree.depths == 0  # the root
     rows = 0
     for depth in range(n - 1):  # over levels, never over nodes
         frontier = reached & tree.has_children & (tree.depths == depth)  # [N]
@@ -225,9 +223,10 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
                                      vocab_ids=vocab_ids)  # [K, N], -1 outside the frontier
         tokens = torch.where(frontier[None], level, tokens)
         rows += samples.sample.shape[0]
+        # The verifier's own reach over the sets known so far ({undropped} U samples, as dropmatch_match): final
+        # down to depth + 1, since every reached node above has its samples now.
         accept_sets = torch.cat([target_tokens[:, None], tokens.T], dim=1)  # [N, K + 1]
-        accepted = (tree.tokens[:, None] == accept_sets[parents]).any(dim=-1)  # [N] its parent accepts it
-        reached = reached | (reached[parents] & accepted & (tree.depths == depth + 1))
+        reached = accepted_mask(tree.tokens, tree.parents, tree.ancestors, accept_sets)
     return tokens, rows
 
 
