@@ -19,7 +19,7 @@ import torch
 from .acceptance import distribution
 from .drafters import Drafter, chain_tree
 from .tree import DraftTree
-from .verify import check_layer_types, crop_cache, new_cache
+from .verify import cache_argument, check_forward_arguments, check_layer_types, crop_cache, new_cache
 
 #: strings whose ids must agree between the target's and the draft's tokenizers.
 SAMPLE_STRINGS = (
@@ -84,7 +84,8 @@ class ModelDrafter(Drafter):
         self.seed = seed
         self.device = model.get_input_embeddings().weight.device
         params = inspect.signature(model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.2 / older
+        self.cache_arg = cache_argument(model, "draft model")
+        check_forward_arguments(model, ("position_ids",), "draft model")
         self.forward_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.reset()
 

@@ -25,9 +25,9 @@ from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, 
                         rescale_needed, shortlist_ids, shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
-from .verify import (TargetLMHead, attention_chunk, check_tree_verification, compact_cache, decoder_of,
-                     lm_head_logits, local_attention, mask_in_dtype, new_cache, sliding_window, target_forward,
-                     tree_mask_dtype)
+from .verify import (TargetLMHead, attention_chunk, cache_argument, check_tree_verification, compact_cache,
+                     decoder_of, lm_head_logits, local_attention, mask_in_dtype, new_cache, sliding_window,
+                     target_forward, tree_mask_dtype)
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,7 @@ class SpeculativeDecoder:
         self.aux_layer_ids = aux_layer_ids
         self.eos_token_ids = tuple(eos_token_ids)
         self.decoder = decoder_of(target)
+        cache_argument(self.decoder)  # one clear error for a forward that would ignore the cache
         # The output embedding and the target's own transform of its output (Cohere, Granite, Gemma).
         self.lm_head = TargetLMHead(target.get_output_embeddings(), target.config)
         self.device = self.lm_head.weight.device

@@ -336,6 +336,11 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_tokenizers(tokenizer, draft_tokenizer)
         except DraftModelError as exc:
             raise LoadError(str(exc)) from None
+    try:
+        decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
+        probe_plain_decoding(decoder)
+    except ValueError as exc:
+        raise LoadError(f"cannot decode {model_path}: {exc}") from None
     try:  # plain decoding serves any causal LM; speculative decoding needs what check_tree_verification checks
         if head is not None or draft is not None:
             check_tree_verification(target)
@@ -343,6 +348,21 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_layer_types(draft.config, "draft model")
     except ValueError as exc:
         raise LoadError(f"cannot decode {model_path} speculatively: {exc}") from None
-    decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
     return EagleModel(target, tokenizer, head, decoder, draft)
+
+
+def probe_plain_decoding(decoder: SpeculativeDecoder) -> None:
+    """Decode two tokens after a two-token prompt, so that a target whose own forward fails on the engine's
+    cache fails here, in one line, rather than with a traceback in the middle of a run: transformers 5.24's
+    Mamba-only GraniteMoeHybrid, for one, asks a cache with no attention layer for its length.
+
+    Raises:
+        ValueError: naming the error the target's forward raised.
+    """
+    try:
+        decoder.generate_baseline(torch.zeros(2, dtype=torch.long), DecodeConfig(max_new_tokens=2))
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, NotImplementedError,
+            RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"its forward fails on the engine's cache ({type(exc).__name__}: {first})") from None
 

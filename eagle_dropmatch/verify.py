@@ -7,6 +7,9 @@ separately so that DropMatch can reuse the LM-head input.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -19,8 +22,35 @@ def decoder_of(target: nn.Module) -> nn.Module:
         if decoder is None or decoder is target:
             decoder = getattr(target, name, None)
     if decoder is None or decoder is target:
-        raise TypeError(f"{type(target).__name__} exposes no decoder body")
+        raise ValueError(f"{type(target).__name__} exposes no decoder body")
     return decoder
+
+
+@functools.cache
+def _forward_parameters(module_type: type) -> frozenset[str]:
+    return frozenset(inspect.signature(module_type.forward).parameters)
+
+
+def cache_argument(module: nn.Module, role: str = "target") -> str:
+    """The name under which ``module``'s forward takes a KV cache: ``cache`` (transformers >= 5.2) or
+    ``past_key_values`` (older). Raises ValueError, in one line, for a forward with neither: a model that keeps
+    its state under another name (RWKV's ``state``) would swallow the engine's cache in ``**kwargs`` and read
+    every new token without the ones before it."""
+    parameters = _forward_parameters(type(module))
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise ValueError(f"the {role}'s forward ({type(module).__name__}) takes no 'cache' or 'past_key_values' "
+                     "argument, so it would ignore the engine's KV cache; the engine serves models that take one")
+
+
+def check_forward_arguments(module: nn.Module, names: tuple[str, ...], role: str = "target") -> None:
+    """Raise ValueError, in one line, where ``module``'s forward does not name every argument in ``names``
+    (a forward with ``**kwargs`` would silently drop it)."""
+    missing = [name for name in names if name not in _forward_parameters(type(module))]
+    if missing:
+        raise ValueError(f"the {role}'s forward ({type(module).__name__}) takes no {', '.join(map(repr, missing))} "
+                         "argument, which tree verification needs")
 
 
 @torch.no_grad()
@@ -43,7 +73,7 @@ def target_forward(decoder: nn.Module, input_ids: torch.Tensor, position_ids: to
         (final hidden [S, H] after the final norm, features [S, 3H] low/mid/high or None).
     """
     out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                  cache=cache, use_cache=cache is not None,
+                  **{cache_argument(decoder): cache}, use_cache=cache is not None,
                   output_hidden_states=aux_layer_ids is not None)
     hidden = out.last_hidden_state[0]
     if aux_layer_ids is None:
@@ -147,8 +177,10 @@ def tree_mask_dtype(target: nn.Module) -> torch.dtype | None:
 
 def check_tree_verification(target: nn.Module) -> None:
     """Raise ValueError, in one line, where one forward cannot verify a tree: layers with a recurrent state
-    (``check_layer_types``), or an attention implementation that takes no custom 4-D mask."""
+    (``check_layer_types``), a forward that takes no position ids or attention mask by name, or an attention
+    implementation that takes no custom 4-D mask."""
     check_layer_types(target.config)
+    check_forward_arguments(decoder_of(target), ("position_ids", "attention_mask"))
     if tree_mask_dtype(target) is None:
         implementation = target.config._attn_implementation
         raise ValueError(f"the target's attention implementation {implementation!r} takes no custom 4-D mask, "

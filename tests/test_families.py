@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
                           Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, GraniteConfig, GraniteForCausalLM,
-                          JambaConfig, JambaForCausalLM, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig,
-                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, JambaConfig, JambaForCausalLM,
+                          Llama4ForCausalLM, Llama4TextConfig, LlamaConfig, LlamaForCausalLM, Mamba2Config,
+                          Mamba2ForCausalLM, MistralConfig, MistralForCausalLM, PhiConfig, PhiForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, RwkvConfig, RwkvForCausalLM)
 
 from eagle_dropmatch.draft_model import ModelDrafter
 from eagle_dropmatch.drafters import Eagle3Drafter
@@ -193,6 +194,76 @@ def test_recurrent_layers_decode_plainly_and_refuse_trees():
         engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=12))
     with pytest.raises(ValueError, match="the draft model has 'linear_attention' layers"):
         ModelDrafter(target, 4)
+
+
+def tiny_recurrent(name: str):
+    """Targets with no attention layer: Mamba-2 (served plainly), RWKV (its forward takes its state as
+    ``state``, not a cache) and a Mamba-only GraniteMoeHybrid (transformers' own forward fails on a cache)."""
+    torch.manual_seed(2)
+    mamba = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2)
+    if name == "mamba2":
+        model = Mamba2ForCausalLM(Mamba2Config(**mamba, state_size=8, num_heads=8, head_dim=16, n_groups=1))
+    elif name == "rwkv":
+        model = RwkvForCausalLM(RwkvConfig(**mamba, attention_hidden_size=64, intermediate_size=128))
+    else:
+        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+            **COMMON | {"num_hidden_layers": 2}, layer_types=["mamba"] * 2, mamba_d_state=8, mamba_n_heads=8,
+            mamba_d_head=16, mamba_n_groups=1, num_local_experts=2, num_experts_per_tok=1,
+            shared_intermediate_size=32))
+    with torch.no_grad():  # larger weights, so that greedy tokens differ from step to step
+        for weight in model.parameters():
+            weight.mul_(3)
+    return model.eval()
+
+
+def load_with_target(tiny_model_dir, monkeypatch, target):
+    """``load`` of the tiny target folder, with its model replaced by ``target`` (the tokenizer kept)."""
+    import eagle_dropmatch.loading as loading
+    real = loading.load_target
+    monkeypatch.setattr(loading, "load_target", lambda *args, **kwargs: (target, real(*args, **kwargs)[1]))
+    return load(tiny_model_dir / "target", dtype="float32")
+
+
+def test_a_recurrent_target_with_a_cache_argument_decodes_plainly(tiny_model_dir, monkeypatch):
+    target = tiny_recurrent("mamba2")
+    reference = greedy_reference(target, prompt(), 12)
+    assert len(set(reference)) > 3
+    model = load_with_target(tiny_model_dir, monkeypatch, target)
+    assert model.decoder.generate_baseline(prompt(), DecodeConfig(max_new_tokens=12)).token_ids == reference
+
+
+def test_a_forward_that_would_ignore_the_cache_is_refused(tiny_model_dir, monkeypatch):
+    """RWKV's forward swallows a ``cache`` keyword in ``**kwargs``: decoding would read every token without
+    the ones before it (it did: 1 of 10 tokens matched). Refused by the engine, the draft model and ``load``."""
+    target = tiny_recurrent("rwkv")
+    with pytest.raises(ValueError, match="takes no 'cache' or 'past_key_values' argument"):
+        SpeculativeDecoder(target, None)
+    with pytest.raises(ValueError, match="draft model's forward .* takes no 'cache'"):
+        ModelDrafter(target, 4)
+    with pytest.raises(LoadError, match=r"^cannot decode \S+: the target's forward \(RwkvModel\) takes no 'cache'"):
+        load_with_target(tiny_model_dir, monkeypatch, target)
+
+
+def test_a_target_whose_forward_fails_on_the_cache_is_refused_at_load(tiny_model_dir, monkeypatch):
+    target = tiny_recurrent("granite-mamba")
+    with pytest.raises(LoadError, match="cannot decode .*: its forward fails on the engine's cache "
+                                        r"\(ValueError: `get_seq_length`"):
+        load_with_target(tiny_model_dir, monkeypatch, target)
+
+
+def test_a_forward_without_position_ids_cannot_verify_trees():
+    """A tree's nodes share positions; a forward that drops ``position_ids`` would number them in a row."""
+    target = build("qwen2")
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    real_forward = type(engine.decoder).forward
+
+    class NoPositions(type(engine.decoder)):
+        def forward(self, input_ids=None, attention_mask=None, cache=None, use_cache=None, **kwargs):
+            return real_forward(self, input_ids=input_ids, attention_mask=attention_mask, cache=cache,
+                                use_cache=use_cache, **kwargs)
+    engine.decoder.__class__ = NoPositions
+    with pytest.raises(ValueError, match="forward \\(NoPositions\\) takes no 'position_ids' argument"):
+        engine.generate(prompt(), OracleDrafter([5] * 8, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=8))
 
 
 @pytest.mark.parametrize("name", LOGIT_TRANSFORMS)
