@@ -25,9 +25,9 @@ from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, 
                         rescale_needed, shortlist_ids, shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
-from .verify import (TargetLMHead, attention_chunk, cache_argument, check_tree_verification, compact_cache,
-                     decoder_of, lm_head_logits, local_attention, mask_in_dtype, new_cache, sliding_window,
-                     target_forward, tree_mask_dtype)
+from .verify import (LocalLayers, TargetLMHead, attention_chunk, cache_argument, check_tree_verification,
+                     compact_cache, decoder_of, lm_head_logits, local_attention, mask_in_dtype, new_cache,
+                     sliding_window, target_forward, tree_mask_dtype)
 
 
 @dataclass(frozen=True)
@@ -157,12 +157,17 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------------------- helpers
 
     def _new_cache(self) -> DynamicCache:
+        """The cache of a speculative generation: entries addressed by position (``new_cache``)."""
         return new_cache(self.target.config)
 
-    def _tree_mask(self, tree: DraftTree, prefix: int):
+    def _plain_cache(self) -> DynamicCache:
+        """The cache of plain decoding: transformers' own, whose local layers keep only their window."""
+        return DynamicCache(config=self.target.config)
+
+    def _tree_mask(self, tree: DraftTree, prefix: int, local: LocalLayers | None):
         """The verification forward's attention mask: the tree's, with the target's sliding window and attention
-        chunks once the sequence outgrows them (a mapping per layer type where the config lists them), in
-        the form the target's attention takes."""
+        chunks once the sequence outgrows them (a mapping per layer type where the config lists them), over
+        the keys each layer holds (``local``), in the form the target's attention takes."""
         mask = tree.attention_mask(prefix)  # [1, 1, N, prefix + N]
         length = prefix + len(tree)
         window = self.window if self.window is not None and length > self.window else None
@@ -171,6 +176,7 @@ class SpeculativeDecoder:
             positions = prefix + tree.depths  # [N]
             keys = torch.cat([torch.arange(prefix, device=positions.device), positions])  # [prefix + N]
             mask = local_attention(mask, positions, keys, window, chunk, self.mask_per_layer_type)
+            mask = local.keys_held(mask)  # [1, 1, N, held + N] per layer type
         return mask_in_dtype(mask, self.mask_dtype)
 
     def _check_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -215,7 +221,7 @@ class SpeculativeDecoder:
         gen = _new_generator(self.device, cfg.seed)
         result = Generation()
         start = time.perf_counter()
-        cache = self._new_cache()
+        cache = self._plain_cache()
         _, _, logits = self._prefill(prompt, cache, None)
         position = prompt.shape[1]
         while True:
@@ -280,6 +286,7 @@ class SpeculativeDecoder:
         # Prefill: the target reads the prompt and picks the first token; the drafter reads the pairs
         # (feature of token p, token p + 1) for every prompt position, the new token included.
         cache = self._new_cache()
+        local = LocalLayers(self.target.config, self.window, self.chunk) if self.window or self.chunk else None
         drafter.reset()
         drafter.start(prompt[0])
         with timer.section("prefill"):
@@ -293,6 +300,8 @@ class SpeculativeDecoder:
             result.dropout_p, result.protect = dm.p, dm.protect
         done = self._commit(result, [int(root)], 1, cfg)
         prefix = prompt.shape[1]  # committed entries in the target cache (the root is not in it)
+        if local is not None:
+            local.trim(cache, prefix)
         with timer.section("prefill"):
             drafter.commit(features, torch.cat([prompt[0, 1:], root]))
         # DropMatch draws its masks and sample tokens from a generator of its own, so the target's own
@@ -308,7 +317,7 @@ class SpeculativeDecoder:
             with timer.section("target"):
                 hidden, features = target_forward(
                     self.decoder, tree.tokens[None], (prefix + tree.depths)[None], cache,
-                    self._tree_mask(tree, prefix), aux)  # [N, H], [N, 3H]
+                    self._tree_mask(tree, prefix, local), aux)  # [N, H], [N, 3H]
             # 2b. DropMatch: K dropped copies of the LM-head input at the nodes with children.
             samples = masks = None
             if dm.active:  # only samples at nodes with children can matter (no draft is matched elsewhere)
@@ -366,8 +375,10 @@ class SpeculativeDecoder:
                 exact_len = host[-1] if dm.lossy else n_path
                 done = self._commit(result, committed, exact_len, cfg)
                 # 4. Commit: keep the accepted entries in the target cache; the bonus is the next root.
-                compact_cache(cache, prefix, path, path_nodes)
+                compact_cache(cache, prefix, path, path_nodes, local.layer_starts() if local else None)
                 prefix += n_path
+                if local is not None:  # entries that no later query of a local layer reads
+                    local.trim(cache, prefix)
             if not done:
                 with timer.section("draft"):
                     drafter.commit(None if features is None else features[path], new_tokens)

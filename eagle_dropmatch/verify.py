@@ -119,15 +119,72 @@ def attention_chunk(config) -> int | None:
 
 
 def new_cache(config) -> DynamicCache:
-    """An empty KV cache that keeps every entry, for the target or a draft model.
+    """An empty KV cache whose layers keep what the engine puts there, for the target or a draft model.
 
     Compaction and cropping address entries by position, so a target with sliding-window or chunked layers
-    gets full layers too (``DynamicCache(config=...)`` would drop entries outside the window or chunk); the
-    window and chunks are applied in the attention masks instead (``local_attention``; the model builds them
-    itself when given no mask).
+    gets plain layers too (``DynamicCache(config=...)`` would drop entries outside the window or chunk on its
+    own terms); the window and chunks are applied in the attention masks instead (``local_attention``; the
+    model builds them itself when given no mask), and the target's entries that no later query can reach are
+    dropped by ``LocalLayers.trim``.
     """
     local = sliding_window(config) is not None or attention_chunk(config) is not None
     return DynamicCache() if local else DynamicCache(config=config)
+
+
+class LocalLayers:
+    """Where the cache entries of a target's sliding-window and chunked layers begin, so that they stay bounded.
+
+    A sliding layer's query at position q reads the keys k with q - k < W; a chunked layer's reads the keys in
+    q's own block of C positions. Every later query sits at the committed length L or beyond, so a sliding
+    layer needs nothing before L - W + 1 and a chunked layer nothing before L // C * C. ``trim`` drops those
+    entries from the front of the layers of that type: they then hold at most W - 1 (C - 1) committed
+    entries, as transformers' own sliding caches do, instead of the whole sequence. Full-attention layers
+    keep everything. One object serves one generation.
+
+    Args:
+        config: the target's config (``layer_types`` where it lists them; else every layer is of one type).
+        window: W from ``sliding_window(config)``, or None.
+        chunk: C from ``attention_chunk(config)``, or None.
+    """
+
+    def __init__(self, config, window: int | None, chunk: int | None):
+        self.window, self.chunk = window, chunk
+        types = getattr(config, "layer_types", None)
+        if types is None:  # one mask for every layer (``local_attention``): the window first, as there
+            one = ("sliding_attention" if window is not None else
+                   "chunked_attention" if chunk is not None else "full_attention")
+            types = [one] * config.num_hidden_layers
+        self.layer_types = list(types)
+        self.start = dict.fromkeys(ATTENTION_LAYER_TYPES, 0)  # first position each layer type still holds
+
+    def first_needed(self, layer_type: str, length: int) -> int:
+        """The first position that a query at ``length`` or later reads in a layer of ``layer_type``."""
+        if layer_type == "sliding_attention" and self.window is not None:
+            return max(0, length - self.window + 1)
+        if layer_type == "chunked_attention" and self.chunk is not None:
+            return length // self.chunk * self.chunk
+        return 0
+
+    def layer_starts(self) -> list[int]:
+        """Per cache layer, the position of its first entry."""
+        return [self.start[kind] for kind in self.layer_types]
+
+    def trim(self, cache, length: int) -> None:
+        """Drop, from the front of each local layer of ``cache`` (holding positions up to ``length``), the
+        entries that no query at ``length`` or later reads. The kept entries are views: the next forward's
+        concatenation copies them into a tensor of their own, which frees the old one."""
+        start = {kind: max(old, self.first_needed(kind, length)) for kind, old in self.start.items()}
+        for layer, kind in zip(cache.layers, self.layer_types):
+            drop = start[kind] - self.start[kind]
+            if drop > 0 and getattr(layer, "keys", None) is not None:
+                layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
+        self.start = start
+
+    def keys_held(self, mask: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A mask over every position [.., prefix + N] cut to the keys each layer type holds."""
+        if isinstance(mask, dict):
+            return {kind: m[..., self.start[kind]:] for kind, m in mask.items()}
+        return mask[..., self.start[self.layer_types[0]]:]
 
 
 def local_attention(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -246,7 +303,8 @@ def lm_head_logits(lm_head: TargetLMHead | nn.Module, hidden: torch.Tensor) -> t
     return lm_head(hidden)
 
 
-def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[int] | None = None) -> None:
+def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[int] | None = None,
+                  layer_starts: list[int] | None = None) -> None:
     """Keep the tree entries ``keep`` (node indices, ascending) right after the prefix; drop the rest.
 
     Entries already in their slot are not moved: the root (node 0) always is, node 1 is when the path
@@ -260,18 +318,23 @@ def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[in
         keep: [m] indices into the tree's N entries.
         keep_host: ``keep.tolist()`` when the caller has already read it (the decoding loop reads it with
             the round's tokens), so that compaction adds no host read of its own.
+        layer_starts: per layer, the position of its first entry (``LocalLayers.layer_starts``; layers
+            that dropped old entries hold the prefix from there); None: every layer holds it from 0.
     """
     nodes = keep.tolist() if keep_host is None else keep_host
     m = len(nodes)
     in_place = next((i for i, node in enumerate(nodes) if node != i), m)  # length of the leading 0, 1, ...
-    new_len = prefix_len + m
-    moved = keep[in_place:] + prefix_len  # [m - in_place] source slots of the entries that move
-    for layer in cache.layers:
+    moved: dict[tuple[int, torch.device], torch.Tensor] = {}  # [m - in_place] slots of the entries that move
+    for i, layer in enumerate(cache.layers):
+        held = prefix_len - (layer_starts[i] if layer_starts is not None else 0)  # this layer's prefix entries
         for name in ("keys", "values"):
             tensor = getattr(layer, name)
             if in_place < m:
-                tensor[:, :, prefix_len + in_place:new_len] = tensor.index_select(2, moved.to(tensor.device))
-            setattr(layer, name, tensor[:, :, :new_len])
+                key = (held, tensor.device)
+                if key not in moved:
+                    moved[key] = (keep[in_place:] + held).to(tensor.device)
+                tensor[:, :, held + in_place:held + m] = tensor.index_select(2, moved[key])
+            setattr(layer, name, tensor[:, :, :held + m])
 
 
 def crop_cache(cache, length: int) -> None:

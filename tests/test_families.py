@@ -19,8 +19,8 @@ from eagle_dropmatch.dropmatch import DropMatchConfig
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.loading import LoadError, load
 from eagle_dropmatch.train import draft_vocab_logits
-from eagle_dropmatch.verify import (attention_chunk, decoder_of, local_attention, mask_in_dtype, sliding_window,
-                                    target_forward)
+from eagle_dropmatch.verify import (attention_chunk, decoder_of, local_attention, mask_in_dtype, new_cache,
+                                    sliding_window, target_forward)
 
 from conftest import OracleDrafter, greedy_reference, noisy_copy, tiny_head
 
@@ -99,6 +99,28 @@ def test_the_window_decides_these_outputs(name):
     reference = greedy_reference(target, prompt(), NEW)
     out = engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=NEW))
     assert out.token_ids != reference
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n.endswith("window")])
+def test_local_layers_keep_only_the_entries_later_queries_read(name, monkeypatch):
+    """After an exact run, a sliding layer holds at most W - 1 entries and a chunked one at most C - 1, where
+    they held the whole sequence before; full-attention layers hold every committed one."""
+    target = build(name)
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    caches = []
+    monkeypatch.setattr(engine, "_new_cache", lambda: caches.append(new_cache(target.config)) or caches[-1])
+    reference = greedy_reference(target, prompt(), NEW)
+    out = engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=NEW))
+    assert out.token_ids == reference
+    types = getattr(target.config, "layer_types", None) or ["sliding_attention"] * target.config.num_hidden_layers
+    held: dict[str, set[int]] = {}
+    for layer, kind in zip(caches[0].layers, types):
+        assert layer.keys.shape[2] == layer.values.shape[2]
+        held.setdefault(kind, set()).add(layer.keys.shape[2])
+    local = held.get("sliding_attention", set()) | held.get("chunked_attention", set())
+    assert local and all(0 < n <= WINDOW - 1 for n in local)
+    full = held.get("full_attention", set())  # the prompt and every accepted token, up to the last round's path
+    assert len(full) <= 1 and all(n >= len(prompt()) + NEW - 1 for n in full)
 
 
 def test_a_draft_model_with_a_window_drafts_as_it_decodes():

@@ -1,6 +1,7 @@
 """The scripts under scripts/ run end to end on tiny random models on the CPU: the device benchmark (a smoke
 check: its figures are not asserted, only that every section and DropMatch's cost are reported), the round
-breakdown, head_accuracy and the side-by-side method benchmark (with two heads); bad input is one error line."""
+breakdown, head_accuracy, the side-by-side method benchmark (with two heads) and the windowed cache's benchmark;
+bad input is one error line."""
 
 import importlib.util
 import json
@@ -297,3 +298,24 @@ def test_bench_round_table_columns_fit_the_longest_variant_name(capsys):
     lines = capsys.readouterr().out.splitlines()[1:5]
     assert len({len(line) for line in lines}) == 1, lines  # header and every row end in the same column
     assert [line.split("  ")[0] for line in lines] == ["variant", *table]  # each name followed by 2+ spaces
+
+
+def test_bench_window_cache_reports_the_entries_each_variant_holds(capsys):
+    module = _script("bench_window_cache")
+    assert module.main(["--window", "8", "--prompt-tokens", "12", "--new-tokens", "24", "--layers", "6",
+                        "--hidden", "32", "--vocab", "128"]) == 0
+    rows = {line.split(" | ")[0].strip("| "): line.strip("|").split(" | ")
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line}
+    plain, trimmed = rows["plain decoding (transformers' cache)"], rows["EAGLE-3, local layers trimmed"]
+    untrimmed = rows["EAGLE-3, untrimmed (before)"]
+    assert plain[1] == trimmed[1] == "7" and plain[2] == "35"  # W - 1; prompt and answer but the last token
+    assert untrimmed[1] == untrimmed[2] and int(trimmed[2]) >= 35 and int(untrimmed[2]) >= 35
+    assert float(trimmed[3]) < float(untrimmed[3])
+    assert [row[5].strip() for row in (plain, trimmed, untrimmed)] == ["True"] * 3
+
+
+@pytest.mark.parametrize("argv", [["--window", "0"], ["--layers", "4"]])
+def test_bench_window_cache_bad_input_is_one_line(argv, capsys):
+    assert _script("bench_window_cache").main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
