@@ -184,6 +184,18 @@ def test_attention_without_custom_masks_decodes_plainly_and_refuses_trees(implem
         engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=NEW))
 
 
+def test_device_map_auto_decodes_as_one_device(tiny_model_dir):
+    """``--device auto`` (transformers' ``device_map="auto"``) loads and decodes as ``cpu`` on a machine with no
+    GPU; its multi-GPU placement is untested here."""
+    ids = torch.tensor([5, 9, 13, 17, 21, 25])
+    outputs = []
+    for device in ("cpu", "auto"):
+        model = load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32", device=device)
+        outputs.append([model.generate(ids, max_new_tokens=16, baseline=baseline).token_ids
+                        for baseline in (True, False)])
+    assert outputs[0] == outputs[1] and outputs[0][0] == outputs[0][1]
+
+
 def test_load_refuses_an_unservable_attention_with_a_head(tiny_model_dir, monkeypatch):
     import eagle_dropmatch.loading as loading
     real = loading.load_target
