@@ -25,7 +25,7 @@ from .drafters import Drafter, Eagle3Drafter
 from .dropmatch import DropMatchConfig, check_sample_rows, check_shortlist
 from .generate import DecodeConfig, Generation, RoundTimer, SpeculativeDecoder
 from .head import Eagle3Head, HeadError, check_aux_layer_ids, default_aux_layer_ids, load_head
-from .verify import check_layer_types, check_tree_verification
+from .verify import cache_argument, check_forward_arguments, check_layer_types, check_tree_verification
 
 RULE_NAMES = ("match", "js", "topk")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -344,8 +344,10 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
     try:  # plain decoding serves any causal LM; speculative decoding needs what check_tree_verification checks
         if head is not None or draft is not None:
             check_tree_verification(target)
-        if draft is not None:
+        if draft is not None:  # what ModelDrafter checks, before any work
             check_layer_types(draft.config, "draft model")
+            cache_argument(draft, "draft model")
+            check_forward_arguments(draft, ("position_ids",), "draft model")
     except ValueError as exc:
         raise LoadError(f"cannot decode {model_path} speculatively: {exc}") from None
     return EagleModel(target, tokenizer, head, decoder, draft)

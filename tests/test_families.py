@@ -278,6 +278,18 @@ def test_a_forward_that_would_ignore_the_cache_is_refused(tiny_model_dir, monkey
         load_with_target(tiny_model_dir, monkeypatch, target)
 
 
+def test_load_refuses_a_draft_model_whose_forward_would_ignore_the_cache(tiny_model_dir, monkeypatch):
+    import eagle_dropmatch.loading as loading
+    real = loading.load_target
+
+    def rwkv_draft(path, *args, role="target", **kwargs):
+        model, tokenizer = real(path, *args, role=role, **kwargs)
+        return (tiny_recurrent("rwkv") if role == "draft model" else model), tokenizer
+    monkeypatch.setattr(loading, "load_target", rwkv_draft)
+    with pytest.raises(LoadError, match="speculatively: the draft model's forward .* takes no 'cache'"):
+        load(tiny_model_dir / "target", draft_model_path=tiny_model_dir / "target", dtype="float32")
+
+
 def test_a_target_whose_forward_fails_on_the_cache_is_refused_at_load(tiny_model_dir, monkeypatch):
     target = tiny_recurrent("granite-mamba")
     with pytest.raises(LoadError, match="cannot decode .*: its forward fails on the engine's cache "
