@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Reject bad numbers before anything is loaded."""
-    from .loading import (LoadError, check_draft_length, check_rule_shape, check_tree_shape,
+    from .loading import (LoadError, check_device, check_draft_length, check_rule_shape, check_tree_shape,
                           make_decode_config)
+    from .resources import BENCHES
     if args.draft_model_path and (args.ea_model_path or args.baseline):
         raise UsageError("--draft-model-path (standard speculative decoding) excludes --ea-model-path and "
                          "--baseline")
@@ -109,6 +110,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
     if args.warmup < 0:
         raise UsageError(f"warmup must be >= 0, got {args.warmup}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"threads must be >= 1, got {args.threads}")
+    if args.bench is not None and args.bench not in BENCHES:
+        raise UsageError(f"unknown bench {args.bench!r}; choose one of {', '.join(BENCHES)}")
+    if args.conv_template:
+        from fastchat.conversation import conv_templates
+        if args.conv_template not in conv_templates:
+            known = [name for name in ("vicuna_v1.1", "llama-3", "qwen-7b-chat", "zero_shot")
+                     if name in conv_templates] or sorted(conv_templates)[:4]
+            raise UsageError(f"unknown fschat conversation template {args.conv_template!r} (fastchat.conversation."
+                             f"conv_templates has {len(conv_templates)}, e.g. {', '.join(known)})")
+    try:
+        check_device(args.device)
+    except LoadError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def method_of(args: argparse.Namespace) -> str:
@@ -276,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
         questions = read_questions(qfile, args.question_begin, args.question_end)
     except ResourceError as exc:
         raise UsageError(str(exc)) from None
+    if not questions:
+        raise UsageError(f"no questions in {qfile}[{args.question_begin}:{args.question_end}]")
     args.question_file = qfile
     args.model_id = args.model_id or default_model_id(args)
     answers_dir = Path(args.bench) if args.bench else Path(qfile).parent  # FastChat's <bench>/model_answer

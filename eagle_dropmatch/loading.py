@@ -52,6 +52,33 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_device(device: str) -> None:
+    """Raise LoadError, in one line, for a device that torch does not know or this machine does not have.
+
+    Args:
+        device: "cpu", "cuda", "cuda:N" (any torch device string) or "auto" (accelerate's device_map, which
+            places everything on the CPU where no accelerator is visible).
+    """
+    if device == "auto":
+        return
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise LoadError(f"unknown device {device!r}: use cpu, cuda, cuda:N or auto") from None
+    backend = getattr(torch, where.type, None) if where.type != "cpu" else None
+    if backend is None:
+        if where.type != "cpu":
+            raise LoadError(f"device {device!r}: this torch has no {where.type} backend")
+        return
+    available = getattr(backend, "is_available", lambda: True)()
+    if not available:
+        raise LoadError(f"device {device!r}: no {where.type} device is visible to this torch "
+                        f"({torch.__version__}); use --device cpu")
+    count = getattr(backend, "device_count", lambda: None)()
+    if where.index is not None and count is not None and where.index >= count:
+        raise LoadError(f"device {device!r}: only {count} {where.type} device(s) visible")
+
+
 def load_target(model_path: str | Path, dtype: torch.dtype, device: str, role: str = "target"):
     """A transformers causal LM and its tokenizer, offline, in eval mode.
 
@@ -308,6 +335,7 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
         progress: print progress when the embedded default is converted the first time.
     """
     torch_dtype = resolve_dtype(dtype)
+    check_device(device)
     if model_path is None:
         from .resources import ResourceError, default_target_path
         try:

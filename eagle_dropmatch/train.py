@@ -521,7 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from .loading import LoadError, attach_head, eos_ids, load_target, resolve_dtype
     torch.manual_seed(args.seed)
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise TrainError(f"threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     work = Path(args.work_dir or f"{out}.work")

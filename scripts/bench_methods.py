@@ -117,7 +117,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"error: threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
         torch.set_num_threads(args.threads)
     common = shlex.split(args.common) + ["--bench", args.bench]
     try:

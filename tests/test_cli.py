@@ -101,6 +101,11 @@ BAD_NUMBERS = [
      "needs the match rule at temperature 0"),
     (["--baseline", "--dropmatch-k", "5"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
     (["--baseline", "--dropmatch-rule", "topk"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
+    (["--threads", "-2"], "threads must be >= 1, got -2"),
+    (["--device", "tpu"], "unknown device 'tpu': use cpu, cuda, cuda:N or auto"),
+    (["--conv-template", "no-such-template"], "unknown fschat conversation template 'no-such-template'"),
+    (["--bench", "nope"], "unknown bench 'nope'; choose one of mt_bench"),  # even beside a --question-file
+    (["--question-begin", "5", "--question-end", "2"], "no questions in "),
 ]
 
 
@@ -110,6 +115,21 @@ def test_bad_numbers(tiny_model_dir, tmp_path, capsys, extra, message):
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+def test_a_device_this_machine_lacks_is_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch, device):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = gen.main([*map(str, base_args(tiny_model_dir, tmp_path / "x.jsonl")), "--device", device, "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"device '{device}': no cuda device is visible" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x.jsonl").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    if device == "cuda:3":
+        assert gen.main([*map(str, base_args(tiny_model_dir, tmp_path / "x.jsonl")), "--device", device]) == 2
+        assert "only 2 cuda device(s) visible" in capsys.readouterr().err
 
 
 def test_bad_inputs(tiny_model_dir, tmp_path, capsys):

@@ -125,8 +125,9 @@ def test_bench_round_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
                                  "--dropout-p", "1.5"]) == 2
     assert module.main(["--model-path", str(tmp_path / "nothing"), "--question-file",
                         str(tiny_model_dir / "questions.jsonl")]) == 2
+    assert module.main(common + ["--threads", "-2"]) == 2
     err = capsys.readouterr().err
-    assert sum(line.startswith("error: ") for line in err.splitlines()) == 3 and "Traceback" not in err, err
+    assert sum(line.startswith("error: ") for line in err.splitlines()) == 4 and "Traceback" not in err, err
 
 
 def test_bench_methods_compares_two_heads_side_by_side(tiny_model_dir, tmp_path, capsys):
@@ -189,8 +190,9 @@ def test_bench_methods_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
                         "--common", f"--model-path {target}", "--variant", "a=--baseline"]) == 2
     assert module.main([*base, "--question-begin", "5", "--common", f"--model-path {target}",
                         "--variant", "a=--baseline"]) == 2
+    assert module.main([*base, "--threads", "0", "--common", f"--model-path {target}", "--variant", "a=--baseline"]) == 2
     err = capsys.readouterr().err
-    assert sum(line.startswith("error: ") for line in err.splitlines()) == 4 and "Traceback" not in err, err
+    assert sum(line.startswith("error: ") for line in err.splitlines()) == 5 and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()  # nothing written before the input was checked
 
 

@@ -182,6 +182,7 @@ def test_cli_bad_inputs(tiny_model_dir, tmp_path, capsys):
         (["--prompts", str(tmp_path / "missing.txt")], "prompt file not found"),
         (["--draft-vocab-size", "100000"], "draft vocab size 100000"),
         (["--model-path", str(tmp_path / "nowhere")], "cannot load target"),
+        (["--threads", "-1"], "threads must be >= 1, got -1"),
     ]
     for extra, message in cases:
         argv = ["--model-path", str(tiny_model_dir / "target"), "--out", str(tmp_path / "h"),
