@@ -518,16 +518,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+AT_LEAST_ONE = ("num_prompts", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "ttt_steps", "batch_tokens",
+                "max_seq", "shard_size", "checkpoint_every", "intermediate_size", "threads")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Raise TrainError, in one line, for a count below 1 (``AT_LEAST_ONE``; unset optional ones pass), a negative
+    --epochs (0 writes the data set, vocabulary and starting head only), --holdout or --max-updates, or a
+    learning rate that is not a positive number."""
+    for name in AT_LEAST_ONE:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise TrainError(f"{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("epochs", "holdout", "max_updates"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise TrainError(f"{name.replace('_', '-')} must be >= 0, got {value}")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise TrainError(f"lr must be a positive number, got {args.lr}")
+
+
 def run(args: argparse.Namespace) -> int:
     from .loading import LoadError, attach_head, eos_ids, load_target, resolve_dtype
+    check_numbers(args)
     torch.manual_seed(args.seed)
     if args.threads is not None:
-        if args.threads < 1:
-            raise TrainError(f"threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"--out {out} exists and is not a folder")
     work = Path(args.work_dir or f"{out}.work")
-    work.mkdir(parents=True, exist_ok=True)
+    for folder in (out, work):  # now, rather than when the trained head is written
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainError(f"cannot create the folder {folder}: {exc.strerror or exc}") from None
     if args.model_path is None:
         from .resources import default_target_path
         args.model_path = str(default_target_path())

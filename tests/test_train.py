@@ -183,6 +183,14 @@ def test_cli_bad_inputs(tiny_model_dir, tmp_path, capsys):
         (["--draft-vocab-size", "100000"], "draft vocab size 100000"),
         (["--model-path", str(tmp_path / "nowhere")], "cannot load target"),
         (["--threads", "-1"], "threads must be >= 1, got -1"),
+        (["--gen-batch-size", "0"], "gen-batch-size must be >= 1, got 0"),  # each of these was a traceback
+        (["--batch-tokens", "0"], "batch-tokens must be >= 1, got 0"),
+        (["--ttt-steps", "0"], "ttt-steps must be >= 1, got 0"),
+        (["--lr", "-1"], "lr must be a positive number, got -1.0"),
+        (["--epochs", "-1"], "epochs must be >= 0, got -1"),  # these wrote a head
+        (["--num-prompts", "-1"], "num-prompts must be >= 1, got -1"),
+        (["--holdout", "-1"], "holdout must be >= 0, got -1"),
+        (["--out", str(tmp_path / "empty.txt")], "exists and is not a folder"),
     ]
     for extra, message in cases:
         argv = ["--model-path", str(tiny_model_dir / "target"), "--out", str(tmp_path / "h"),
