@@ -180,9 +180,20 @@ class SpeculativeDecoder:
         return mask_in_dtype(mask, self.mask_dtype)
 
     def _check_prompt(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(self.device)
-        if ids.shape[1] == 0:
+        """One prompt's ids, [S] or [1, S] integers in the vocabulary, as [1, S] on the target's device; else
+        ValueError, in one line (a batch would otherwise be read as one prompt, and a float id cut to an int)."""
+        ids = torch.as_tensor(input_ids)
+        if ids.numel() == 0:
             raise ValueError("empty prompt")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"prompt ids must be integers, got {ids.dtype}")
+        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+            raise ValueError(f"one prompt at a time: ids of shape [S] or [1, S], got {list(ids.shape)}")
+        vocab = self.target.get_input_embeddings().weight.shape[0]
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(f"prompt ids must be in [0, {vocab}) (the target's vocabulary), got {low}..{high}")
+        ids = ids.to(torch.long).reshape(1, -1).to(self.device)
         if ids.shape[1] >= self.max_positions:
             raise ValueError(f"prompt of {ids.shape[1]} tokens does not fit the model's context of "
                              f"{self.max_positions}")

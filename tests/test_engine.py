@@ -73,6 +73,25 @@ def test_context_limit_stops_cleanly():
                         DecodeConfig(max_new_tokens=4))
 
 
+@pytest.mark.parametrize("ids,message", [
+    ([], "empty prompt"),
+    (torch.tensor([[5, 6, 7], [8, 9, 10]]), r"one prompt at a time: .* got \[2, 3\]"),  # read as one before
+    (torch.tensor([[[5, 6]]]), r"one prompt at a time"),
+    (torch.tensor([5.0, 6.5]), "prompt ids must be integers, got torch.float32"),  # cut to 5, 6 before
+    (torch.tensor([5, 96]), r"prompt ids must be in \[0, 96\) \(the target's vocabulary\), got 5..96"),
+    ([5, -1], r"must be in \[0, 96\).*got -1..5"),
+])
+def test_a_prompt_that_is_not_one_row_of_vocabulary_ids_is_refused(target, ids, message):
+    engine = SpeculativeDecoder(target, AUX)
+    with pytest.raises(ValueError, match=message):
+        engine.generate_baseline(ids, DecodeConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match=message):
+        engine.generate(ids, OracleDrafter([5] * 8, 4, 96), DecodeConfig(max_new_tokens=4))
+    one = torch.tensor([[5, 6, 7]])  # [1, S] and a list are one prompt
+    assert engine.generate_baseline(one, DecodeConfig(max_new_tokens=4)).token_ids == \
+        engine.generate_baseline([5, 6, 7], DecodeConfig(max_new_tokens=4)).token_ids
+
+
 @pytest.mark.parametrize("dm", [DropMatchConfig(k=0, p=0.3), DropMatchConfig(k=5, p=0.0)])
 def test_dropmatch_off_is_bit_identical_to_exact(target, dm):
     engine = SpeculativeDecoder(target, AUX)
