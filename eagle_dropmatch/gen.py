@@ -206,6 +206,7 @@ def prepare_answer_file(path: Path, settings: dict) -> set:
         if differs:
             raise UsageError(f"{path} was written by a different run configuration ({'; '.join(differs)}); "
                              "choose another --answer-file")
+        end_last_line(path)
         with path.open() as f:
             for line in f:
                 try:
@@ -217,11 +218,36 @@ def prepare_answer_file(path: Path, settings: dict) -> set:
     return done
 
 
+def end_last_line(path: Path) -> None:
+    """Make an answer file end with a newline before answers are appended to it: a last line cut by an
+    interruption (a crash while it was written) is removed, since its question is answered again; a whole
+    record that only lacks its newline (an edited file) is kept and ended."""
+    with path.open("rb+") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(0, size - 1))
+        if size == 0 or f.read(1) == b"\n":
+            return
+        f.seek(0)
+        content = f.read()
+        start = content.rfind(b"\n") + 1  # where the last line begins
+        try:
+            json.loads(content[start:])
+        except ValueError:  # cut short: drop it
+            f.truncate(start)
+            print(f"{path}: removed a last line cut short by an interruption ({size - start} bytes); its "
+                  "question is answered again", file=sys.stderr)
+        else:
+            f.write(b"\n")
+
+
 def prompt_ids(model, messages: list[dict], args: argparse.Namespace, question_id):
     """Prompt ids of a conversation, checked against the model's context."""
     ids = render_prompt(model, messages, args)
     if len(ids) >= model.decoder.max_positions:
-        raise UsageError(f"question {question_id}: prompt of {len(ids)} tokens is longer than the "
+        turn = sum(m["role"] == "user" for m in messages)
+        earlier = f" (turn {turn}, after the earlier turns and their answers)" if turn > 1 else ""
+        raise UsageError(f"question {question_id}: prompt of {len(ids)} tokens{earlier} is longer than the "
                          f"model's context of {model.decoder.max_positions}")
     return ids
 

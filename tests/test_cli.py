@@ -56,6 +56,31 @@ def test_answers_resume_and_match_baseline(tiny_model_dir, tmp_path, capsys):
         assert set(b["choices"][0]["accept_lengths"][0]) == {1}
 
 
+def test_a_resume_after_a_cut_last_line_leaves_every_line_whole(tiny_model_dir, tmp_path, capsys):
+    """A crash while an answer was written leaves its line cut; the resumed run drops that line and answers its
+    question again (before, the new answer was appended onto the cut bytes: one unreadable line)."""
+    answers = tmp_path / "a.jsonl"
+    assert run_gen(capsys, *base_args(tiny_model_dir, answers, "--question-end", 2))[0] == 0
+    whole = answers.read_text()
+    first_line = whole.splitlines(keepends=True)[0]
+    answers.write_text(first_line + whole.splitlines()[1][:40])  # question 1's record cut short
+    code, err = run_gen(capsys, *base_args(tiny_model_dir, answers, "--question-end", 2))
+    assert code == 0 and "removed a last line cut short by an interruption" in err and "1 already answered" in err
+    resumed = read_lines(answers)
+    assert [r["question_id"] for r in resumed] == [0, 1] and answers.read_text().startswith(first_line)
+    answers.write_text(answers.read_text().rstrip("\n"))  # a whole record without its newline is kept
+    code, err = run_gen(capsys, *base_args(tiny_model_dir, answers))
+    assert code == 0 and "2 already answered" in err
+    assert [r["question_id"] for r in read_lines(answers)] == [0, 1, 2]
+
+
+def test_a_later_turn_that_outgrows_the_context_names_the_turn(tiny_model_dir, tmp_path, capsys):
+    questions = _write(tmp_path, "q.jsonl", json.dumps({"question_id": 7, "turns": ["Hi.", "x" * 600]}) + "\n")
+    code, err = run_gen(capsys, *base_args(tiny_model_dir, tmp_path / "a.jsonl", "--max-new-tokens", 4),
+                        "--question-file", questions)
+    assert code == 2 and "question 7: prompt of" in err and "(turn 2, after the earlier turns and their answers)" in err
+
+
 def test_dropmatch_run_records_agreement(tiny_model_dir, tmp_path, capsys):
     answers = tmp_path / "dm.jsonl"
     code, err = run_gen(capsys, *base_args(tiny_model_dir, answers, "--dropmatch-k", 5, "--question-end", 1))
