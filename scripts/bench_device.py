@@ -27,11 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_round import lm_head_costs, print_report, round_record, round_table  # noqa: E402
+from script_args import positive_int  # noqa: E402
 from eagle_dropmatch.drafters import Eagle3Drafter  # noqa: E402
 from eagle_dropmatch.dropmatch import DropMatchConfig  # noqa: E402
 from eagle_dropmatch.generate import DecodeConfig, RoundTimer, SpeculativeDecoder  # noqa: E402
 from eagle_dropmatch.head import (Eagle3Head, default_aux_layer_ids, head_config_for_target,  # noqa: E402
                                   init_head_weights)
+from eagle_dropmatch.loading import LoadError, check_tree_shape, make_decode_config  # noqa: E402
 
 SHAPES = {  # transformers LlamaConfig fields of published models
     "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -68,15 +70,26 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
     return target, head.to(device=device, dtype=dtype).eval(), aux
 
 
+def parse_tree(spec: str) -> tuple[int, int, int]:
+    """``total_token/depth/top_k``, checked as the engine checks a tree shape; LoadError otherwise."""
+    try:
+        total_token, depth, top_k = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise LoadError(f"--tree {spec!r}: expected total_token/depth/top_k, e.g. 8/3/2") from None
+    check_tree_shape(total_token, depth, top_k)
+    return total_token, depth, top_k
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tree", nargs="+", default=["8/3/2", "60/7/10"], help="total_token/depth/top_k shapes")
-    p.add_argument("--rounds", type=int, default=64, help="verification rounds per prompt (about one token each)")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--prompt-length", type=int, default=256)
+    p.add_argument("--rounds", type=positive_int, default=64,
+                   help="verification rounds per prompt (about one token each)")
+    p.add_argument("--prompts", type=positive_int, default=4)
+    p.add_argument("--prompt-length", type=positive_int, default=256)
     p.add_argument("--dropmatch-k", type=int, default=5)
     p.add_argument("--dropout-p", type=float, default=0.3)
     p.add_argument("--shortlist", type=int, nargs="*", default=[256],
@@ -89,6 +102,14 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is visible (use --shape tiny --device cpu for a smoke run)",
               file=sys.stderr)
+        return 2
+    try:  # what the engine would refuse, refused before a model is built
+        trees = [parse_tree(spec) for spec in args.tree]
+        for m in [0, *args.shortlist]:
+            make_decode_config(max_new_tokens=args.rounds, dropmatch_k=args.dropmatch_k,
+                               dropout_p=str(args.dropout_p), dropmatch_shortlist=m)
+    except LoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -104,8 +125,7 @@ def main(argv=None) -> int:
     for rows in args.rows:
         variants[f"{dm_name} rows={rows}"] = DropMatchConfig(k=args.dropmatch_k, p=args.dropout_p, rows=rows)
     results = {}
-    for spec in args.tree:
-        total_token, depth, top_k = (int(x) for x in spec.split("/"))
+    for spec, (total_token, depth, top_k) in zip(args.tree, trees):
         drafter = Eagle3Drafter(head, total_token, depth, top_k)
         for dm in variants.values():  # warm-up
             engine.generate(prompts[0], drafter, DecodeConfig(max_new_tokens=8, dropmatch=dm))

@@ -207,14 +207,14 @@ def main(argv=None) -> int:
                     label = name + (f" M={m}" if m else "") + ("" if rows == "all" else f" rows={rows}")
                     variants[label] = dict(base, dropmatch_shortlist=m, dropmatch_rows=rows)
         model, questions = load_model_and_questions(args)
+        shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
+                     max_new_tokens=args.max_new_tokens)
+        first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])
+        for kwargs in variants.values():  # warm-up: a setting the engine refuses is refused here, before timing
+            model.generate(first, **{**shape, **kwargs, "max_new_tokens": 16})
     except (LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
-                 max_new_tokens=args.max_new_tokens)
-    first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])
-    for kwargs in variants.values():  # warm-up
-        model.generate(first, **{**shape, **kwargs, "max_new_tokens": 16})
     per_question = {name: [] for name in variants}
     answers = {name: [] for name in variants}
     prompts = [model.chat_ids([{"role": "user", "content": q["turns"][0]}]).to(model.decoder.device)

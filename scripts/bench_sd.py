@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # script_args, when not run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eagle_dropmatch.loading import load  # noqa: E402
-from eagle_dropmatch.resources import question_file, read_questions  # noqa: E402
+from eagle_dropmatch.loading import LoadError, load  # noqa: E402
+from eagle_dropmatch.resources import ResourceError, question_file, read_questions  # noqa: E402
+from script_args import positive_int  # noqa: E402
 
 
 def variants(args: argparse.Namespace, has_head: bool, has_draft: bool) -> dict[str, dict]:
@@ -52,10 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     a("--model-path", help="target (default: the embedded SmolLM2-135M-Instruct)")
     a("--ea-model-path", help="EAGLE-3 head for the target (default: the bundled one, if any)")
     a("--draft-model-path", help="also run a draft model sharing the target's tokenizer")
-    a("--length", type=int, default=5, help="draft length L (EAGLE-3 chain depth and draft-model chain)")
+    a("--length", type=positive_int, default=5, help="draft length L (EAGLE-3 chain depth and draft-model chain)")
     a("--bench", default="mt_bench")
-    a("--questions", type=int, default=8, help="first N questions (first turns)")
-    a("--max-new-tokens", type=int, default=256)
+    a("--questions", type=positive_int, default=8, help="first N questions (first turns)")
+    a("--max-new-tokens", type=positive_int, default=256)
     a("--dropmatch-k", type=int, default=5)
     a("--dropout-p", type=float, default=0.3)
     a("--topk", type=int, default=0, help="also run the top-k rule with this k (0 = off)")
@@ -66,16 +68,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load(args.model_path, args.ea_model_path, draft_model_path=args.draft_model_path, dtype=args.dtype,
-                 progress=False)
-    if model.head is None and model.draft is None:
-        p.error("no drafter: pass --ea-model-path and/or --draft-model-path")
-    runs = variants(args, model.head is not None, model.draft is not None)
-    questions = read_questions(question_file(args.bench))[:args.questions]
-    common = dict(temperature=args.temperature)
-    first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])
-    for kwargs in runs.values():  # warm-up
-        model.generate(first, **common, **kwargs, max_new_tokens=8)
+    try:
+        model = load(args.model_path, args.ea_model_path, draft_model_path=args.draft_model_path,
+                     dtype=args.dtype, progress=False)
+        if model.head is None and model.draft is None:
+            p.error("no drafter: pass --ea-model-path and/or --draft-model-path")
+        runs = variants(args, model.head is not None, model.draft is not None)
+        questions = read_questions(question_file(args.bench))[:args.questions]
+        common = dict(temperature=args.temperature)
+        first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])
+        for kwargs in runs.values():  # warm-up: a setting the engine refuses is refused here, before any timing
+            model.generate(first, **common, **kwargs, max_new_tokens=8)
+    except (LoadError, ResourceError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     rows: dict[str, list[dict]] = {name: [] for name in runs}
     for q in questions:
         ids = model.chat_ids([{"role": "user", "content": q["turns"][0]}])

@@ -8,6 +8,14 @@ from eagle_dropmatch.loading import load
 from eagle_dropmatch.resources import questions_path, read_questions
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse reports anything else as one error line)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_model_and_question_args(p: argparse.ArgumentParser, questions: int, max_new_tokens: int) -> None:
     """--model-path, --ea-model-path (default: the embedded default and its head), --bench, --question-file,
     --questions (how many, from the first) and --max-new-tokens."""
@@ -15,8 +23,8 @@ def add_model_and_question_args(p: argparse.ArgumentParser, questions: int, max_
     p.add_argument("--ea-model-path")
     p.add_argument("--bench", default="mt_bench")
     p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
-    p.add_argument("--questions", type=int, default=questions)
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--questions", type=positive_int, default=questions)
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
 
 
 def load_model_and_questions(args: argparse.Namespace):

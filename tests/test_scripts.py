@@ -321,3 +321,25 @@ def test_bench_window_cache_bad_input_is_one_line(argv, capsys):
     assert _script("bench_window_cache").main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("bench_device", ["--shape", "tiny", "--device", "cpu", "--tree", "8/3"], "expected total_token/depth/top_k"),
+    ("bench_device", ["--shape", "tiny", "--device", "cpu", "--tree", "0/1/1"], "total_token must be >= 1"),
+    ("bench_device", ["--shape", "tiny", "--device", "cpu", "--dropout-p", "2"], "dropout-p must be in [0, 1)"),
+    ("bench_sd", ["--model-path", "/nowhere"], "target model path not found"),
+])
+def test_benchmark_scripts_refuse_bad_settings_in_one_line(script, argv, message, capsys):
+    """Each was a traceback (a division by zero, an empty list, a LoadError) before any figure."""
+    assert _script(script).main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("script,flag", [("bench_device", "--rounds"), ("bench_device", "--prompts"),
+                                         ("bench_sd", "--length"), ("bench_sd", "--questions"),
+                                         ("bench_round", "--questions"), ("dropmatch_shortlist", "--max-new-tokens")])
+def test_benchmark_counts_below_one_are_argparse_errors(script, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _script(script).main([flag, "0"])
+    assert exit_.value.code == 2 and f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
