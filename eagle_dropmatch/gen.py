@@ -191,6 +191,7 @@ def run_settings(args: argparse.Namespace, model_id: str) -> dict:
 
 def prepare_answer_file(path: Path, settings: dict) -> set:
     """Check an existing answer file belongs to this run; return the question ids already answered."""
+    from .resources import end_last_line
     meta_path = Path(f"{path}.meta.json")
     done: set = set()
     if path.exists() and path.stat().st_size > 0:
@@ -206,7 +207,10 @@ def prepare_answer_file(path: Path, settings: dict) -> set:
         if differs:
             raise UsageError(f"{path} was written by a different run configuration ({'; '.join(differs)}); "
                              "choose another --answer-file")
-        end_last_line(path)
+        cut = end_last_line(path)
+        if cut:
+            print(f"{path}: removed a last line cut short by an interruption ({cut} bytes); its question is "
+                  "answered again", file=sys.stderr)
         with path.open() as f:
             for line in f:
                 try:
@@ -216,29 +220,6 @@ def prepare_answer_file(path: Path, settings: dict) -> set:
     path.parent.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(settings, indent=2) + "\n")
     return done
-
-
-def end_last_line(path: Path) -> None:
-    """Make an answer file end with a newline before answers are appended to it: a last line cut by an
-    interruption (a crash while it was written) is removed, since its question is answered again; a whole
-    record that only lacks its newline (an edited file) is kept and ended."""
-    with path.open("rb+") as f:
-        f.seek(0, 2)
-        size = f.tell()
-        f.seek(max(0, size - 1))
-        if size == 0 or f.read(1) == b"\n":
-            return
-        f.seek(0)
-        content = f.read()
-        start = content.rfind(b"\n") + 1  # where the last line begins
-        try:
-            json.loads(content[start:])
-        except ValueError:  # cut short: drop it
-            f.truncate(start)
-            print(f"{path}: removed a last line cut short by an interruption ({size - start} bytes); its "
-                  "question is answered again", file=sys.stderr)
-        else:
-            f.write(b"\n")
 
 
 def prompt_ids(model, messages: list[dict], args: argparse.Namespace, question_id):

@@ -238,6 +238,35 @@ def reference_answer_file(bench: str = "mt_bench", data_dir: str | None = None) 
     return _data_file(f"{bench}/reference_answer/gpt-4.jsonl", data_dir, fetchable=bench == "mt_bench")
 
 
+def end_last_line(path: str | os.PathLike) -> int:
+    """Make a JSONL file end with a newline before records are appended to it.
+
+    A last line cut short by an interrupted write (not valid JSON) is removed; a whole record that only lacks
+    its newline (an edited file) is kept and ended. A missing or empty file is left alone.
+
+    Returns:
+        The bytes removed (0 when nothing was cut).
+
+    Raises:
+        OSError: When the file cannot be read or written.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    with path.open("rb+") as f:
+        content = f.read()
+        if not content or content.endswith(b"\n"):
+            return 0
+        start = content.rfind(b"\n") + 1  # where the last line begins
+        try:
+            json.loads(content[start:])
+        except ValueError:  # cut short: drop it
+            f.truncate(start)
+            return len(content) - start
+        f.write(b"\n")
+        return 0
+
+
 def read_questions(path: str | os.PathLike, begin: int | None = None, end: int | None = None) -> list[dict]:
     """Reads a question file, one JSON object per line (FastChat ``question.jsonl`` format).
 

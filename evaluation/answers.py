@@ -10,6 +10,7 @@ itself (question id, one choice with a list of turn texts) is required.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ SETTING_KEYS = (
 )
 #: Values a meta written before a key existed stands for (so older runs stay repeats of newer ones).
 SETTING_DEFAULTS = {"dropmatch_rows": "all"}
+
+#: Meta keys the evaluation reads as text, and as numbers (``dropout_p`` may also be ``auto[:RATE]``).
+META_TEXT_KEYS = ("method", "bench", "question_file", "conv_template", "system_prompt")
+META_NUMBER_KEYS = ("depth", "total_token", "top_k", "dropmatch_k", "rule_top_k")
 
 _PER_TURN_LISTS = ("token_ids", "new_tokens", "wall_time", "idxs", "accept_lengths", "exact_accept_lengths",
                    "agreement", "accepted_set_size")
@@ -99,6 +104,11 @@ class AnswerFile:
         return str(self.meta["bench"]) if self.meta and self.meta.get("bench") else None
 
     @property
+    def paths(self) -> list[Path]:
+        """The files this answer file was read from: itself and its meta file."""
+        return answer_paths([self.path])
+
+    @property
     def question_file(self) -> Path | None:
         """The question file gen read, as recorded in the meta file (None when absent or no longer there)."""
         recorded = (self.meta or {}).get("question_file")
@@ -165,13 +175,47 @@ def _as_list(value: Any, n: int, name: str, where: str) -> list:
     return value
 
 
+def meta_path_of(path: str | Path) -> Path:
+    """The meta file ``<answer file>.meta.json`` of an answer file."""
+    return Path(str(path) + ".meta.json")
+
+
+def answer_paths(paths) -> list[Path]:
+    """Every answer file named and its meta file (the files a command reads for them)."""
+    return [q for p in paths for q in (Path(p), meta_path_of(p))]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_meta(meta: dict, meta_path: Path) -> None:
+    """Check the types of the meta values the evaluation reads.
+
+    Raises:
+        EvalError: Naming the meta file and key of a value of the wrong type.
+    """
+    def bad(key: str, expected: str):
+        return EvalError(f"{meta_path}: '{key}' must be {expected}, got {json.dumps(meta[key])}")
+
+    for key in META_TEXT_KEYS:
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise bad(key, "a string or null")
+    for key in META_NUMBER_KEYS:
+        if meta.get(key) is not None and not _is_number(meta[key]):
+            raise bad(key, "a finite number or null")
+    p = meta.get("dropout_p")
+    if p is not None and not _is_number(p) and not (isinstance(p, str) and p.startswith("auto")):
+        raise bad("dropout_p", "a finite number or 'auto[:RATE]'")
+
+
 def load_meta(path: Path) -> dict | None:
     """Read ``<answer file>.meta.json``; None (with a warning) when it is absent.
 
     Raises:
-        EvalError: When the meta file exists but is not a JSON object.
+        EvalError: When the meta file exists but is not a JSON object, or a value it holds has the wrong type.
     """
-    meta_path = Path(str(path) + ".meta.json")
+    meta_path = meta_path_of(path)
     if not meta_path.exists():
         warn(f"{path}: no meta file {meta_path.name}; method label derived from model_id")
         return None
@@ -181,6 +225,7 @@ def load_meta(path: Path) -> dict | None:
         raise EvalError(f"{meta_path}: not readable JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise EvalError(f"{meta_path}: expected a JSON object")
+    check_meta(meta, meta_path)
     return meta
 
 

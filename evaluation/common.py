@@ -11,7 +11,8 @@ import argparse
 import json
 import math
 import sys
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
 
 
 class EvalError(Exception):
@@ -118,6 +119,78 @@ def parse_name_value(items: Sequence[str] | None, option: str) -> list[tuple[str
             raise EvalError(f"{option} expects NAME=FILE, got {item!r}")
         out.append((name.strip(), value.strip()))
     return out
+
+
+def check_distinct(paths: Iterable[str | Path], what: str) -> None:
+    """Refuse a file named twice where each must be a different file (compared after ``Path.resolve()``).
+
+    Args:
+        paths: The file names given.
+        what: The option(s) they were given to, for the error message.
+
+    Raises:
+        EvalError: When two of them are the same file.
+    """
+    seen: set[Path] = set()
+    for path in paths:
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            raise EvalError(f"{path} given twice ({what}); name each file once")
+        seen.add(resolved)
+
+
+def check_writable(path: str | Path) -> None:
+    """Check that ``path`` can be opened for writing, without changing it (a probe file is removed again).
+
+    Raises:
+        EvalError: When it is a directory or cannot be created or opened.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise EvalError(f"cannot write {path}: it is a directory")
+    existed = path.exists()
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise EvalError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def check_outputs(outputs: Iterable[str | Path | None], inputs: Iterable[str | Path | None]) -> None:
+    """Refuse, before any work, an output that is one of the command's inputs or cannot be written.
+
+    Args:
+        outputs: The files the command will write (None entries are ignored).
+        inputs: The files it reads (None entries are ignored); compared after ``Path.resolve()``.
+
+    Raises:
+        EvalError: When an output resolves to the same file as an input, or cannot be written.
+    """
+    read = {Path(p).resolve(): p for p in inputs if p}
+    for out in (o for o in outputs if o):
+        same = read.get(Path(out).resolve())
+        if same is not None:
+            raise EvalError(f"output {out} is also an input of this command ({same}); writing it would overwrite "
+                            "it: choose another output file")
+        check_writable(out)
+
+
+def end_last_line(path: str | Path) -> None:
+    """Make a JSONL file end with a newline before records are appended to it (``resources.end_last_line``:
+    a last line cut short by an interrupted write is removed, with a warning).
+
+    Raises:
+        EvalError: When the file cannot be read or written.
+    """
+    from eagle_dropmatch.resources import end_last_line as end_jsonl
+    try:
+        cut = end_jsonl(path)
+    except OSError as exc:
+        raise EvalError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if cut:
+        warn(f"{path}: removed a last line cut short by an interrupted write ({cut} bytes)")
 
 
 def _clean(obj: Any) -> Any:

@@ -14,13 +14,14 @@ two numbers are compared numerically.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from typing import Sequence
 
 from .answers import AnswerFile, load_answers
-from .common import EvalError, OneLineParser, emit, run_cli, warn
-from .questions import questions_for
+from .common import EvalError, OneLineParser, check_outputs, emit, run_cli, warn
+from .questions import load_questions, question_source
 
 _NUM = r"(?:(?<![\w.])-)?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
 _HASH = re.compile(r"####\s*(" + _NUM + ")")
@@ -49,11 +50,43 @@ def extract_answer(text: str) -> float | None:
     return None
 
 
-def reference_answer(question: dict) -> float | None:
-    """The number after ``####`` in the question's reference (None when absent)."""
+def reference_text(question: dict) -> str:
+    """The question's reference as text: a string, or a number (a GSM8K answer) as ``#### N``; the first entry
+    of a list; empty when there is none.
+
+    Raises:
+        ValueError: When the reference is of another type.
+    """
     ref = question.get("reference")
-    text = ref[0] if isinstance(ref, list) and ref else ref if isinstance(ref, str) else ""
-    found = _HASH.findall(text or "")
+    if isinstance(ref, list):
+        ref = ref[0] if ref else None
+    if ref is None or isinstance(ref, str):
+        return ref or ""
+    if isinstance(ref, (int, float)) and not isinstance(ref, bool) and math.isfinite(ref):
+        return f"#### {ref}"
+    raise ValueError(f"'reference' must be a string or a number (or a list of them), got {ref!r}")
+
+
+def check_reference(question: dict, where: str) -> None:
+    """Refuse a question whose reference is neither a string nor a number (``where``: its file and line).
+
+    Raises:
+        EvalError: Naming ``where``.
+    """
+    try:
+        reference_text(question)
+    except ValueError as exc:
+        raise EvalError(f"{where}: {exc}") from None
+
+
+def reference_answer(question: dict) -> float | None:
+    """The number after ``####`` in the question's reference (None when absent).
+
+    Raises:
+        EvalError: When the reference is neither a string nor a number.
+    """
+    check_reference(question, f"question {question.get('question_id')}")
+    found = _HASH.findall(reference_text(question))
     return to_number(found[-1]) if found else None
 
 
@@ -116,8 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m evaluation.gsm8k``."""
     args = build_parser().parse_args(argv)
     af = load_answers(args.answer_file)
-    questions, _ = questions_for(args, af, default_bench="gsm8k")
-    res = gsm8k_accuracy(af, questions)
+    qpath, _ = question_source(args, af, default_bench="gsm8k")
+    check_outputs([args.output], af.paths + [qpath])
+    res = gsm8k_accuracy(af, load_questions(qpath, check=check_reference))
     emit(res, args, lambda r: f"{r['label']}: GSM8K accuracy {r['accuracy']:.4f} ({r['correct']}/{r['n']})")
     return 0
 

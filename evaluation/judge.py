@@ -15,25 +15,58 @@ would make.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 from .answers import AnswerFile, load_answers
-from .common import EvalError, OneLineParser, emit, fmt, run_cli, warn
-from .judge_client import JudgeClient, JudgmentCache, RetryPolicy, default_cache_dir, run_calls
+from .common import EvalError, OneLineParser, check_distinct, check_outputs, emit, fmt, run_cli, warn
+from .judge_client import JudgeClient, JudgmentCache, RetryPolicy, cache_paths, default_cache_dir, run_calls
 from .judge_tasks import JudgeCall, pair_call, single_call
-from .questions import load_judge_prompts, load_reference_answers, questions_for
+from .questions import (judge_prompts_path, load_judge_prompts, load_questions, load_reference_answers,
+                        question_source, reference_path)
 from .stats import bootstrap_ci, mean, win_rate
 from .verdicts import combine_orders, is_consistent, parse_pair_verdict, parse_rating
 
 
-def _questions_for(args, af: AnswerFile) -> tuple[dict, str | None]:
-    questions, bench = questions_for(args, af)
-    if questions is None:
+@dataclass
+class JudgeInputs:
+    """What a judge run reads: the answer file (and baseline), questions, prompts, references and the cache."""
+
+    af: AnswerFile
+    base: AnswerFile | None
+    questions: dict
+    bench: str | None
+    prompts: dict
+    refs: dict
+    cache: JudgmentCache
+
+
+def load_inputs(args) -> JudgeInputs:
+    """Load everything a judge run reads, after refusing (before any work) an answer file given as its own
+    baseline and an ``--output`` that is one of the inputs or the cache.
+
+    Raises:
+        EvalError: Bad input, as one line.
+    """
+    pairwise = args.mode == "pairwise"
+    if pairwise:
+        check_distinct([args.answer_file, args.baseline_file], "--answer-file and --baseline-file")
+    af = load_answers(args.answer_file)
+    base = load_answers(args.baseline_file) if pairwise else None
+    qpath, bench = question_source(args, af)
+    if qpath is None:
         raise EvalError("no questions: give --question-file or --bench (the answer file's meta names neither a "
                         "question file nor a bench)")
-    return questions, bench
+    ppath = judge_prompts_path(args.judge_prompts, args.data_dir)
+    rpath = reference_path(args.reference_file, bench, args.data_dir)
+    cache_dir = args.cache_dir or default_cache_dir()
+    check_outputs([args.output], af.paths + (base.paths if base else []) + [qpath, ppath, rpath,
+                                                                             *cache_paths(cache_dir)])
+    return JudgeInputs(af, base, load_questions(qpath), bench, load_judge_prompts(ppath),
+                       load_reference_answers(rpath), JudgmentCache(cache_dir))
 
 
 def _units(af: AnswerFile, questions: dict, other: AnswerFile | None = None):
@@ -95,10 +128,9 @@ def _groups(items: list[tuple[str, object]]) -> "OrderedDict[str, list]":
 
 def judge_single(args) -> dict:
     """Run MT-Bench single grading; returns the result dict (or the dry-run dict)."""
-    af = load_answers(args.answer_file)
-    questions, bench = _questions_for(args, af)
-    prompts = load_judge_prompts(args.judge_prompts, args.data_dir)
-    refs = load_reference_answers(args.reference_file, bench, args.data_dir)
+    inputs = load_inputs(args)
+    af, questions, bench, prompts, refs, cache = (inputs.af, inputs.questions, inputs.bench, inputs.prompts,
+                                                  inputs.refs, inputs.cache)
     units, calls = [], []
     for key, cat, turn in _units(af, questions):
         call = single_call(prompts, key, questions[key], cat, [t.text for t in af.answers[key].turns], turn, refs)
@@ -106,7 +138,6 @@ def judge_single(args) -> dict:
         calls.append(call)
     if not calls:
         raise EvalError("nothing to judge: no answer matches a question")
-    cache = JudgmentCache(args.cache_dir or default_cache_dir())
     if args.dry_run:
         return _dry_run(calls, args, cache)
     outcomes, stats = run_calls(calls, args.judge_model, cache, _client_factory(args), parse_rating, args.parallel)
@@ -132,11 +163,9 @@ def judge_single(args) -> dict:
 
 def judge_pairwise(args) -> dict:
     """Run pairwise judging of the answer file against the baseline file, both orders per pair."""
-    af = load_answers(args.answer_file)
-    base = load_answers(args.baseline_file)
-    questions, bench = _questions_for(args, af)
-    prompts = load_judge_prompts(args.judge_prompts, args.data_dir)
-    refs = load_reference_answers(args.reference_file, bench, args.data_dir)
+    inputs = load_inputs(args)
+    af, base, questions, bench, prompts, refs, cache = (inputs.af, inputs.base, inputs.questions, inputs.bench,
+                                                        inputs.prompts, inputs.refs, inputs.cache)
     units, calls = [], []
     for key, cat, turn in _units(af, questions, base):
         mine = [t.text for t in af.answers[key].turns]
@@ -147,7 +176,6 @@ def judge_pairwise(args) -> dict:
         calls += [g1, g2]
     if not calls:
         raise EvalError("nothing to judge: no question answered in both files")
-    cache = JudgmentCache(args.cache_dir or default_cache_dir())
     if args.dry_run:
         return _dry_run(calls, args, cache)
     outcomes, stats = run_calls(calls, args.judge_model, cache, _client_factory(args), parse_pair_verdict,
@@ -256,13 +284,26 @@ def build_parser() -> OneLineParser:
     return p
 
 
+def check_numbers(args) -> None:
+    """Refuse a numeric option out of its range, NaN or infinite, before any work.
+
+    Raises:
+        EvalError: Naming the first bad option.
+    """
+    limits = [("--parallel", args.parallel, 1, False), ("--max-tokens", args.max_tokens, 1, False),
+              ("--timeout", args.timeout, 0, True), ("--max-retries", args.max_retries, 0, False),
+              ("--backoff-base", args.backoff_base, 0, False), ("--backoff-max", args.backoff_max, 0, False)]
+    if args.mode == "pairwise":
+        limits.append(("--bootstrap", args.bootstrap, 1, False))
+    for option, value, low, strict in limits:
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise EvalError(f"{option} must be a number {'>' if strict else '>='} {low}, got {value:g}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m evaluation.judge``."""
     args = build_parser().parse_args(argv)
-    if args.parallel < 1 or args.max_retries < 0 or args.backoff_base < 0 or args.timeout <= 0:
-        raise EvalError("--parallel must be >= 1, --max-retries and --backoff-base >= 0, --timeout > 0")
-    if args.mode == "pairwise" and args.bootstrap < 1:
-        raise EvalError("--bootstrap must be >= 1")
+    check_numbers(args)
     res = judge_single(args) if args.mode == "single" else judge_pairwise(args)
     emit(res, args, render_text)
     if not res.get("dry_run") and res["n"] == 0:

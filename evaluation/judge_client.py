@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .common import EvalError, warn
+from .common import EvalError, end_last_line, warn
 from .judge_tasks import JudgeCall
 
 RETRY_STATUS = (408, 409, 429)
@@ -40,11 +40,23 @@ def default_cache_dir() -> Path:
     return Path(base) / "eagle_dropmatch" / "judge"
 
 
+#: The files of a cache directory: the judgments (read back) and the failed calls (for inspection only).
+CACHE_FILE, ERROR_FILE = "judgments.jsonl", "errors.jsonl"
+
+
+def cache_paths(cache_dir: str | Path) -> tuple[Path, Path]:
+    """The judgments file and the errors file of a cache directory."""
+    return Path(cache_dir) / CACHE_FILE, Path(cache_dir) / ERROR_FILE
+
+
 class JudgmentCache:
     """Append-only JSONL store of judgments keyed by :meth:`JudgeCall.cache_key`.
 
     Args:
         cache_dir: The directory (created when missing).
+
+    Raises:
+        EvalError: When the directory cannot be created or the judgments file cannot be read as UTF-8 text.
     """
 
     def __init__(self, cache_dir: str | Path):
@@ -53,19 +65,48 @@ class JudgmentCache:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise EvalError(f"cannot create cache directory {self.dir}: {exc.strerror or exc}") from None
-        self.path = self.dir / "judgments.jsonl"
-        self.error_path = self.dir / "errors.jsonl"
+        self.path, self.error_path = cache_paths(self.dir)
         self._lock = threading.Lock()
         self._data: dict[str, dict] = {}
-        if self.path.exists():
-            for lineno, line in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    self._data[rec["key"]] = rec
-                except (ValueError, KeyError, TypeError):
-                    warn(f"{self.path}:{lineno}: unreadable cache line skipped (interrupted write?)")
+        text = self._read_text()
+        lines = text.splitlines()
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                self._data[rec["key"]] = rec
+            except (ValueError, KeyError, TypeError):
+                if lineno == len(lines) and not text.endswith("\n"):
+                    continue  # cut by an interrupted write: dropped (with a warning) before the next append
+                warn(f"{self.path}:{lineno}: unreadable cache line skipped (interrupted write?)")
+
+    def _read_text(self) -> str:
+        """The text of the judgments file (empty when it does not exist yet)."""
+        if not self.path.exists():
+            return ""
+        try:
+            return self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise EvalError(f"{self.path}: the judge cache is not UTF-8 text (byte {exc.start}); move it away or "
+                            "delete it") from None
+        except OSError as exc:
+            raise EvalError(f"cannot read the judge cache {self.path}: {exc.strerror or exc}") from None
+
+    def open_for_append(self) -> None:
+        """Check, before any call, that both files can be appended to, and make each end with a newline (a
+        last line cut by an interrupted write is dropped with a warning, so the next record is not lost).
+
+        Raises:
+            EvalError: When a file cannot be opened for append.
+        """
+        for path in (self.path, self.error_path):
+            try:
+                with open(path, "ab"):
+                    pass
+            except OSError as exc:
+                raise EvalError(f"cannot write the judge cache {path}: {exc.strerror or exc}") from None
+            end_last_line(path)
 
     def __len__(self) -> int:
         return len(self._data)
@@ -231,6 +272,7 @@ def run_calls(calls: Iterable[JudgeCall], judge_model: str, cache: JudgmentCache
              "served_models": _served_models(outcomes)}
     if not todo:
         return outcomes, stats
+    cache.open_for_append()
     client = client_factory()
 
     def work(item: tuple[str, JudgeCall]) -> tuple[str, Outcome]:

@@ -69,6 +69,26 @@ def load_target(model_path: str):
     return model.eval(), tok
 
 
+def load_conv_template(name: str, where: str = "conv_template"):
+    """A fresh copy of the fschat conversation template ``name``.
+
+    Args:
+        name: The template name (the run's meta ``conv_template``).
+        where: Where the name comes from, for the error message (the meta file).
+
+    Raises:
+        EvalError: When fschat is not installed or does not know the template.
+    """
+    try:
+        from fastchat.conversation import conv_templates, get_conv_template
+    except ImportError:
+        raise EvalError(f"{where}: conv_template {name!r} needs fschat (pip install fschat)") from None
+    if name not in conv_templates:
+        raise EvalError(f"{where}: unknown fschat conversation template {name!r} (fastchat.conversation."
+                        f"conv_templates has {len(conv_templates)})")
+    return get_conv_template(name)
+
+
 def prompt_ids(tokenizer, questions: Sequence[str], answers: Sequence[str], turn: int,
                system_prompt: str | None = None, conv_template: str | None = None) -> list[int]:
     """Token ids of the prompt of ``turn`` (0-based), ending with the generation prompt.
@@ -92,9 +112,7 @@ def prompt_ids(tokenizer, questions: Sequence[str], answers: Sequence[str], turn
     if conv_template or not getattr(tokenizer, "chat_template", None):
         if not conv_template:
             raise EvalError("the tokenizer has no chat template and the run names no conv_template")
-        from fastchat.conversation import get_conv_template
-
-        conv = get_conv_template(conv_template)
+        conv = load_conv_template(conv_template)
         if system_prompt:
             conv.set_system_message(system_prompt)
         for msg in messages:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from .answers import AnswerFile, load_answers
-from .common import EvalError, OneLineParser, emit, fmt, run_cli, warn
-from .questions import questions_for
+from .answers import AnswerFile, load_answers, meta_path_of
+from .common import EvalError, OneLineParser, check_distinct, check_outputs, emit, fmt, run_cli, warn
+from .questions import load_questions, question_source
 from .speed import same_answer
 from .stats import mean, ratio
 
@@ -37,6 +37,35 @@ def _pairs(af: AnswerFile, ref: AnswerFile) -> list[tuple[str, int]]:
     if not out:
         raise EvalError(f"no question answered in both {af.path} and {ref.path}")
     return out
+
+
+def check_token_ids(af: AnswerFile, pairs: list[tuple[str, int]], vocab_size: int, model_path: str) -> None:
+    """Refuse answers whose recorded token ids lie outside the target's vocabulary (another model's answers).
+
+    Raises:
+        EvalError: Naming the answer file, the offending id and the model.
+    """
+    for key, t in pairs:
+        ids = af.answers[key].turns[t].token_ids or []
+        bad = next((x for x in ids if not 0 <= x < vocab_size), None)
+        if bad is not None:
+            raise EvalError(f"{af.path}: the answers' token ids do not fit the vocabulary of {model_path} (id {bad} "
+                            f"in question {key}, vocabulary of {vocab_size}): likely another model's answers; give "
+                            "--model-path of the model that wrote them")
+
+
+def check_conv_templates(*files: AnswerFile) -> None:
+    """Refuse, before the target is loaded, a meta ``conv_template`` that fastchat does not know.
+
+    Raises:
+        EvalError: Naming the meta file.
+    """
+    from .loglik import load_conv_template
+
+    for af in files:
+        name = (af.meta or {}).get("conv_template")
+        if name:
+            load_conv_template(name, str(meta_path_of(af.path)))
 
 
 def loglik_per_token(model, tokenizer, af: AnswerFile, pairs: list[tuple[str, int]],
@@ -68,11 +97,31 @@ def loglik_per_token(model, tokenizer, af: AnswerFile, pairs: list[tuple[str, in
     return ratio(total, count), per
 
 
-def quality_report(answer_file: str, reference_file: str, questions: dict | None, model_path: str | None,
-                   loglik: bool = True, sbert: bool = False, sbert_path: str | None = None) -> dict:
-    """Compute the quality figures (see the module doc); skipped figures are None."""
-    af, ref = load_answers(answer_file), load_answers(reference_file)
+def quality_report(answer_file: str | AnswerFile, reference_file: str | AnswerFile, questions: dict | None,
+                   model_path: str | None, loglik: bool = True, sbert: bool = False,
+                   sbert_path: str | None = None) -> dict:
+    """Compute the quality figures (see the module doc); skipped figures are None.
+
+    Args:
+        answer_file: The lossy answers, loaded or their path.
+        reference_file: The lossless answers, loaded or their path.
+        questions: The questions (needed for the log-likelihood).
+        model_path: The target (None: the embedded default).
+        loglik: Compute the log-likelihood figures.
+        sbert: Compute the Sentence-BERT cosine.
+        sbert_path: The Sentence-BERT model folder (None: the packaged one).
+    """
+    af, ref = (f if isinstance(f, AnswerFile) else load_answers(f) for f in (answer_file, reference_file))
     pairs = _pairs(af, ref)
+    if loglik:
+        if questions is None:
+            raise EvalError("the log-likelihood needs the questions: give --question-file or --bench")
+        check_conv_templates(af, ref)
+    enc = None
+    if sbert:  # loaded first: a bad model folder is refused before the log-likelihood work
+        from .sbert import SbertEncoder
+
+        enc = SbertEncoder(sbert_path)
     exact = [same_answer(af.answers[k].turns[t], ref.answers[k].turns[t]) for k, t in pairs]
     out = {"answer_file": str(af.path), "reference_file": str(ref.path), "model_id": af.model_id,
            "label": af.label, "reference_model_id": ref.model_id, "n": len(pairs),
@@ -81,22 +130,20 @@ def quality_report(answer_file: str, reference_file: str, questions: dict | None
            "target_model": None}
     details = [{"question_id": k, "turn": t + 1, "exact": e} for (k, t), e in zip(pairs, exact)]
     if loglik:
-        if questions is None:
-            raise EvalError("the log-likelihood needs the questions: give --question-file or --bench")
         from .loglik import load_target, resolve_model_path
 
         path = resolve_model_path(model_path)
         model, tok = load_target(path)
+        vocab = model.get_input_embeddings().num_embeddings
+        for f in (af, ref):
+            check_token_ids(f, pairs, vocab, path)
         ll, per = loglik_per_token(model, tok, af, pairs, questions)
         ll_ref, per_ref = loglik_per_token(model, tok, ref, pairs, questions)
         out.update({"target_model": path, "loglik_per_token": ll, "loglik_per_token_reference": ll_ref,
                     "loglik_rel_diff": (ratio(ll - ll_ref, abs(ll_ref)) if ll is not None and ll_ref else None)})
         for d, a, b in zip(details, per, per_ref):
             d.update({"loglik_per_token": a, "loglik_per_token_reference": b})
-    if sbert:
-        from .sbert import SbertEncoder
-
-        enc = SbertEncoder(sbert_path)
+    if enc is not None:
         cos = enc.cosine([af.answers[k].turns[t].text for k, t in pairs],
                          [ref.answers[k].turns[t].text for k, t in pairs])
         out["sbert_cosine"] = mean(cos)
@@ -142,14 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    questions = None
+    check_distinct([args.answer_file, args.reference_file], "--answer-file and --reference-file")
+    af, ref = load_answers(args.answer_file), load_answers(args.reference_file)
+    qpath = None
     if not args.no_loglik:
-        questions, _ = questions_for(args, load_answers(args.answer_file))
-        if questions is None:
+        qpath, _ = question_source(args, af)
+        if qpath is None:
             raise EvalError("the log-likelihood needs the questions: give --question-file or --bench "
                             "(or --no-loglik)")
-    res = quality_report(args.answer_file, args.reference_file, questions, args.model_path,
-                         loglik=not args.no_loglik, sbert=args.sbert, sbert_path=args.sbert_model)
+    check_outputs([args.output], af.paths + ref.paths + [qpath])
+    res = quality_report(af, ref, load_questions(qpath), args.model_path, loglik=not args.no_loglik,
+                         sbert=args.sbert, sbert_path=args.sbert_model)
     emit(res, args, render_text)
     return 0
 

@@ -21,10 +21,23 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
-from .answers import load_answers
-from .common import EvalError, OneLineParser, fmt, parse_name_value, print_json, run_cli, warn, write_json
-from .questions import load_questions
+from .answers import answer_paths, load_answers
+from .common import (EvalError, OneLineParser, check_distinct, check_outputs, fmt, parse_name_value, print_json,
+                     run_cli, warn, write_json)
+from .questions import load_questions, resolve_question_file
 from .speed import aggregate, analyze_run, pick_baseline, summarize
+
+#: The files written into ``--out DIR``: the plots (plotting function name in :mod:`evaluation.plots`, file name),
+#: the Markdown report and the JSON report.
+PLOTS = (("plot_depth", "tau_speedup_vs_depth.png"), ("plot_quality", "quality_vs_speedup.png"))
+REPORT_MD, REPORT_JSON = "report.md", "report.json"
+#: The fields each kind of result file gives the table: (key, may be null, a pair of numbers).
+RESULT_FIELDS = {
+    "gsm8k": (("accuracy", False, False),),
+    "single": (("score", True, False),),
+    "pairwise": (("win_rate", True, False), ("ci95", True, True)),
+    "quality": (("exact_match_rate", False, False), ("sbert_cosine", True, False), ("loglik_rel_diff", True, False)),
+}
 
 
 def _load_result(path: str, option: str) -> dict:
@@ -37,6 +50,28 @@ def _load_result(path: str, option: str) -> dict:
     if not isinstance(obj, dict):
         raise EvalError(f"{option}: {path} is not a JSON object")
     return obj
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_fields(res: dict, kind: str, path: str, option: str) -> None:
+    """Check the types of the fields the table takes from a result file of ``kind`` (see RESULT_FIELDS).
+
+    Raises:
+        EvalError: Naming the option, the file and the field of a value of the wrong type.
+    """
+    for key, nullable, pair in RESULT_FIELDS[kind]:
+        value = res.get(key)
+        if value is None and nullable:
+            continue
+        ok = (isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value)) if pair \
+            else _is_number(value)
+        if not ok:
+            expected = "a pair of numbers" if pair else "a number"
+            raise EvalError(f"{option}: {path}: field '{key}' must be {expected}{' or null' if nullable else ''}, "
+                            f"got {json.dumps(value)}")
 
 
 def quality_figures(gsm8k, judge, quality, names: set[str]) -> dict[str, dict]:
@@ -55,17 +90,21 @@ def quality_figures(gsm8k, judge, quality, names: set[str]) -> dict[str, dict]:
             if option == "--gsm8k":
                 if "accuracy" not in res:
                     raise EvalError(f"--gsm8k: {path} has no 'accuracy' (not an evaluation.gsm8k --json result)")
+                check_fields(res, "gsm8k", path, option)
                 row["gsm8k_accuracy"] = res["accuracy"]
             elif option == "--judge":
                 if res.get("mode") == "pairwise" or "win_rate" in res:
+                    check_fields(res, "pairwise", path, option)
                     row.update(win_rate=res.get("win_rate"), win_rate_ci95=res.get("ci95"))
                 elif "score" in res:
+                    check_fields(res, "single", path, option)
                     row["mt_bench_score"] = res["score"]
                 else:
                     raise EvalError(f"--judge: {path} has neither 'score' nor 'win_rate'")
             else:
                 if "exact_match_rate" not in res:
                     raise EvalError(f"--quality: {path} has no 'exact_match_rate'")
+                check_fields(res, "quality", path, option)
                 row.update(exact_match_rate=res.get("exact_match_rate"), sbert_cosine=res.get("sbert_cosine"),
                            loglik_rel_diff=res.get("loglik_rel_diff"))
     return out
@@ -157,31 +196,75 @@ def build_parser() -> OneLineParser:
     return p
 
 
+def check_runs(runs: list[tuple[str, str]]) -> None:
+    """Refuse a file given twice under one ``--run`` NAME (it would count as two repeats).
+
+    Raises:
+        EvalError: Naming the file and the NAME.
+    """
+    grouped: OrderedDict[str, list[str]] = OrderedDict()
+    for name, path in runs:
+        grouped.setdefault(name, []).append(path)
+    for name, paths in grouped.items():
+        check_distinct(paths, f"--run {name}")
+
+
+def output_files(args, runs: list[tuple[str, str]]) -> dict[str, Path]:
+    """Make ``--out DIR`` and check, before anything is written, that every file the report writes there can be
+    written and is none of the inputs.
+
+    Returns:
+        The output files by name (empty without ``--out``).
+
+    Raises:
+        EvalError: When DIR cannot be made, or an output cannot be written or is an input.
+    """
+    if not args.out:
+        return {}
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EvalError(f"cannot create {out}: {exc.strerror or exc}") from None
+    files = {name: out / name for name in [f for _, f in PLOTS] + [REPORT_MD, REPORT_JSON]}
+    results = [path for option in (args.gsm8k, args.judge, args.quality)
+               for _, path in parse_name_value(option, "result")]
+    inputs = answer_paths([p for _, p in runs] + args.baseline_file) + results + [
+        resolve_question_file(args.question_file, args.bench, args.data_dir)]
+    check_outputs(files.values(), inputs)
+    return files
+
+
+def write_report(files: dict[str, Path], rows: list[dict], table: str, title: str) -> list[str]:
+    """Write the plots, report.md and report.json into the checked output files.
+
+    Returns:
+        The plots written.
+    """
+    from . import plots as plotting
+
+    written = [str(p) for fn, name in PLOTS if (p := getattr(plotting, fn)(rows, files[name]))]
+    md = [f"# {title}", "", table, ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in written]
+    try:
+        files[REPORT_MD].write_text("\n".join(md) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise EvalError(f"cannot write {files[REPORT_MD]}: {exc.strerror or exc}") from None
+    write_json(str(files[REPORT_JSON]), {"rows": rows, "table_markdown": table, "plots": written})
+    return written
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m evaluation.report``."""
     args = build_parser().parse_args(argv)
     runs = parse_name_value(args.run, "--run")
+    check_runs(runs)
     names = {n for n, _ in runs} | {args.baseline_name}
     quality = quality_figures(args.gsm8k, args.judge, args.quality, names)
+    files = output_files(args, runs)
     questions = load_questions(args.question_file, args.bench, args.data_dir)
     rows = build_rows(runs, args.baseline_file, args.baseline_name, questions, quality)
     table = render_table(rows)
-    plots: list[str] = []
-    if args.out:
-        from .plots import plot_depth, plot_quality
-
-        out = Path(args.out)
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise EvalError(f"cannot create {out}: {exc.strerror or exc}") from None
-        for fn, fname in ((plot_depth, "tau_speedup_vs_depth.png"), (plot_quality, "quality_vs_speedup.png")):
-            written = fn(rows, out / fname)
-            if written:
-                plots.append(str(written))
-        md = [f"# {args.title}", "", table, ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-        (out / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
-        write_json(str(out / "report.json"), {"rows": rows, "table_markdown": table, "plots": plots})
+    plots = write_report(files, rows, table, args.title) if files else []
     if args.json:
         print_json({"rows": rows, "table_markdown": table, "plots": plots})
     else:

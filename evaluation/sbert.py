@@ -46,6 +46,9 @@ class SbertEncoder:
 
     Args:
         model_path: A BERT-style model folder (default: the packaged all-MiniLM-L6-v2).
+
+    Raises:
+        EvalError: When the folder holds no loadable model, or one whose tokenizer cannot pad (not Sentence-BERT).
     """
 
     def __init__(self, model_path: str | None = None):
@@ -59,6 +62,9 @@ class SbertEncoder:
             self.model = AutoModel.from_pretrained(path).eval()
         except (OSError, ValueError) as exc:
             raise EvalError(f"cannot load the Sentence-BERT model from {path}: {str(exc).splitlines()[0]}") from None
+        if self.tokenizer.pad_token is None:  # a causal LM folder, say: batches could not be padded
+            raise EvalError(f"{path} is not a Sentence-BERT model (its tokenizer has no padding token); give "
+                            "--sbert-model a Sentence-BERT folder such as all-MiniLM-L6-v2")
 
     def encode(self, texts: Sequence[str], batch_size: int = 32):
         """``[N, H]`` L2-normalised embeddings of ``texts``."""

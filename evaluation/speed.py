@@ -23,9 +23,9 @@ import sys
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from .answers import AnswerFile, Turn, load_answers
-from .common import EvalError, OneLineParser, emit, fmt, run_cli, warn
-from .questions import load_questions
+from .answers import AnswerFile, Turn, answer_paths, load_answers
+from .common import EvalError, OneLineParser, check_distinct, check_outputs, emit, fmt, run_cli, warn
+from .questions import load_questions, resolve_question_file
 from .stats import mean, ratio, std
 
 #: Figures averaged over repeated runs of one configuration.
@@ -282,7 +282,11 @@ def build_parser() -> OneLineParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m evaluation.speed``."""
     args = build_parser().parse_args(argv)
-    questions = load_questions(args.question_file, args.bench, args.data_dir)
+    check_distinct(args.answer_file, "--answer-file")
+    check_distinct(args.baseline_file, "--baseline-file")
+    qpath = resolve_question_file(args.question_file, args.bench, args.data_dir)
+    check_outputs([args.output], answer_paths(args.answer_file + args.baseline_file) + [qpath])
+    questions = load_questions(qpath)
     report = speed_report(args.answer_file, args.baseline_file, questions)
     emit(report, args, render_text)
     return 0

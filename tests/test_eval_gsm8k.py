@@ -89,3 +89,69 @@ def test_questions_come_from_the_recorded_question_file(tmp_path, capsys, monkey
     assert accuracy("--data-dir", str(tmp_path / "data")) == 0.0
     recorded.unlink()
     assert accuracy() == 0.0
+
+
+def write_gsm8k(tmp_path, references, answers, meta=None):
+    """A question file with the given references and an answer file (with its meta, when given)."""
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "turns": [f"q{i}"], "reference": r}) + "\n"
+                         for i, r in enumerate(references)))
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"question_id": i, "choices": [{"turns": [t]}]}) + "\n"
+                         for i, t in enumerate(answers)))
+    if meta is not None:
+        Path(str(a) + ".meta.json").write_text(json.dumps(meta))
+    return str(q), str(a)
+
+
+def one_error_line(rc, capsys, *needles):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert all(n in err[0] for n in needles), err[0]
+
+
+@pytest.mark.parametrize("victim", ["answers", "meta", "recorded questions"])
+def test_output_naming_an_input_is_refused_and_the_input_kept(tmp_path, capsys, victim):
+    qf, af = write_gsm8k(tmp_path, [["#### 4"]], ["#### 4"], meta={"bench": None, "question_file": None})
+    Path(af + ".meta.json").write_text(json.dumps({"bench": None, "question_file": qf}))
+    target = {"answers": af, "meta": af + ".meta.json", "recorded questions": qf}[victim]
+    before = Path(target).read_text()
+    rc = run_cli(gsm8k.main, ["--answer-file", af, "--output", target])
+    one_error_line(rc, capsys, "also an input")
+    assert Path(target).read_text() == before
+
+
+def test_numeric_reference_is_the_answer(tmp_path, capsys):
+    """A reference that is a number (``[4]`` or ``4``) is read as that final answer."""
+    qf, af = write_gsm8k(tmp_path, [[4], 2.5, ["#### 7"]], ["#### 4", "It is 2.5", "#### 8"])
+    rc = run_cli(gsm8k.main, ["--answer-file", af, "--question-file", qf, "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0 and res["n"] == 3 and res["correct"] == 2 and res["no_reference"] == 0
+
+
+@pytest.mark.parametrize("reference", [[{"answer": 4}], True, {"text": "#### 4"}, [[4]]])
+def test_reference_of_another_type_names_the_file_and_line(tmp_path, capsys, reference):
+    qf, af = write_gsm8k(tmp_path, [["#### 1"], reference], ["#### 1", "#### 4"])
+    rc = run_cli(gsm8k.main, ["--answer-file", af, "--question-file", qf])
+    one_error_line(rc, capsys, f"{qf}:2", "'reference' must be a string or a number")
+
+
+def test_explicit_bench_against_a_recorded_question_file_is_refused(tmp_path, capsys, monkeypatch):
+    """--bench gsm8k for answers gen wrote from a custom question file (meta: question_file, no bench) would score
+    them against other questions: refused, naming what the meta recorded; a meta with neither is not refused."""
+    data = tmp_path / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    (data / "question.jsonl").write_text(json.dumps({"question_id": 0, "turns": ["q"], "reference": ["#### 4"]})
+                                         + "\n")
+    monkeypatch.setenv("EAGLE_DROPMATCH_DATA", str(tmp_path / "data"))
+    qf, af = write_gsm8k(tmp_path, [["#### 5"]], ["#### 5"], meta={"bench": None, "question_file": "custom.jsonl"})
+    rc = run_cli(gsm8k.main, ["--answer-file", af, "--bench", "gsm8k"])
+    one_error_line(rc, capsys, "custom.jsonl", "omit --bench", "--question-file")
+    Path(af + ".meta.json").write_text(json.dumps({"bench": "mt_bench"}))
+    rc = run_cli(gsm8k.main, ["--answer-file", af, "--bench", "gsm8k"])
+    one_error_line(rc, capsys, "'mt_bench'")
+    Path(af + ".meta.json").write_text(json.dumps({"method": "baseline"}))
+    rc = run_cli(gsm8k.main, ["--answer-file", af, "--bench", "gsm8k", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["n"] == 1
+    rc = run_cli(gsm8k.main, ["--answer-file", af, "--question-file", qf, "--bench", "gsm8k", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["accuracy"] == 1.0

@@ -15,7 +15,7 @@ def answers(tiny_model_dir, tmp_path_factory):
     """Baseline, lossless EAGLE-3 and DropMatch answers (fp32) to the tiny question set."""
     out = tmp_path_factory.mktemp("gen")
     common = ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
-              "--question-file", str(tiny_model_dir / "questions.jsonl"), "--bench", "tiny", "--dtype", "float32",
+              "--question-file", str(tiny_model_dir / "questions.jsonl"), "--dtype", "float32",
               "--max-new-tokens", "16", "--no-progress", "--warmup", "0"]
     files = {}
     for name, extra in (("base", ["--baseline"]), ("e3", []), ("dm", ["--dropmatch-k", "5", "--dropout-p", "0.3"])):

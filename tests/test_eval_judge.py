@@ -421,3 +421,123 @@ def test_bad_arguments_exit_2(argv, message, capsys):
 def test_missing_questions_exit_2(mt, capsys):
     rc, _, err = run_judge(["single", "--answer-file", mt["answers"], "--judge-prompts", mt["prompts"]], capsys)
     assert rc == 2 and "--question-file or --bench" in err and len(err.strip().splitlines()) == 1
+
+
+# ---- nothing is lost, nothing is called on bad input ----------------------------------------------------------
+
+def one_error_line(rc, err, *needles):
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+@pytest.mark.parametrize("victim", ["answers", "questions", "refs", "prompts", "cache"])
+def test_output_naming_an_input_is_refused_before_any_call(mt, capsys, victim):
+    target = Path(mt["cache"], "judgments.jsonl") if victim == "cache" else Path(mt[victim])
+    if victim == "cache":
+        target.parent.mkdir()
+        target.write_text(json.dumps({"key": "k", "output": "[[5]]"}) + "\n")
+    before = target.read_text()
+    with JudgeStub(rating_responder) as stub:
+        rc, _, err = run_judge(single_args(mt, stub, "--output", str(target)), capsys)
+        one_error_line(rc, err, "also an input", str(target))
+        assert stub.calls == 0
+    assert target.read_text() == before
+
+
+def cut_cache(mt, keep_newline: bool):
+    """Cut the judgment cache as an interrupted write does: the last record loses its tail (or only its newline),
+    and the first record is removed so that the next run has one judgment to append."""
+    path = Path(mt["cache"], "judgments.jsonl")
+    lines = path.read_text().splitlines()
+    last = lines[-1] if keep_newline else lines[-1][:len(lines[-1]) // 2]
+    path.write_text("\n".join(lines[1:-1] + [last]))
+    return path
+
+
+@pytest.mark.parametrize("keep_newline", [False, True])
+def test_cache_with_a_cut_last_line_loses_no_judgment(mt, capsys, keep_newline):
+    """A cut last line is dropped (one warning) and a whole record missing its newline is ended, before the next
+    judgment is appended: that judgment is not glued onto the cut bytes, lost and paid for again."""
+    with JudgeStub(rating_responder) as stub:
+        assert run_judge(single_args(mt, stub), capsys)[0] == 0
+        path = cut_cache(mt, keep_newline)
+        rc, res, err = run_judge(single_args(mt, stub), capsys)
+        assert rc == 0 and res["calls"]["requested"] == (1 if keep_newline else 2) and res["n"] == 6
+        warnings = [x for x in err.splitlines() if "cut short" in x]
+        assert len(warnings) == (0 if keep_newline else 1) and "unreadable" not in err
+        text = path.read_text()
+        assert text.endswith("\n") and len([json.loads(x) for x in text.splitlines()]) == 6
+        calls = stub.calls
+        rc, res, _ = run_judge(single_args(mt, stub), capsys)
+        assert rc == 0 and res["calls"]["requested"] == 0 and res["calls"]["cached"] == 6 and stub.calls == calls
+
+
+@pytest.mark.parametrize("cache", ["/proc", "/proc/self", "dir", "non-utf8"])
+def test_unusable_cache_is_one_error_line_before_any_call(mt, capsys, cache):
+    """A cache that cannot be appended to or read fails in the main thread, as one line, before any call."""
+    cache_dir = cache
+    if cache in ("dir", "non-utf8"):
+        cache_dir = mt["cache"]
+        if cache == "dir":
+            Path(cache_dir, "judgments.jsonl").mkdir(parents=True)
+        else:
+            Path(cache_dir).mkdir()
+            Path(cache_dir, "judgments.jsonl").write_bytes(b'{"key": "\xff\xfe"}\n')
+    with JudgeStub(rating_responder) as stub:
+        args = single_args(mt, stub)
+        args[args.index("--cache-dir") + 1] = cache_dir
+        rc, _, err = run_judge(args, capsys)
+        one_error_line(rc, err, "judgments.jsonl")
+        assert stub.calls == 0
+    if cache == "non-utf8":
+        assert "UTF-8" in err
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--backoff-max", "-1"), ("--backoff-base", "nan"), ("--timeout", "nan"), ("--timeout", "0"),
+    ("--max-tokens", "0"), ("--max-tokens", "-5"), ("--timeout", "inf"),
+])
+def test_bad_numeric_option_is_refused_up_front(mt, capsys, option, value):
+    with JudgeStub(rating_responder) as stub:
+        rc, _, err = run_judge(single_args(mt, stub, option, value), capsys)
+        one_error_line(rc, err, option)
+        assert stub.calls == 0
+
+
+@pytest.mark.parametrize("reference", [
+    {"question_id": 111, "choices": ["the answer"]},
+    {"question_id": 111, "choices": [{"turns": "abc"}]},
+    {"question_id": 111, "choices": [{"turns": ["a", 2]}]},
+])
+def test_malformed_reference_entry_names_the_file_and_line(mt, capsys, reference):
+    Path(mt["refs"]).write_text(json.dumps({"question_id": 81, "choices": [{"turns": ["ok"]}]}) + "\n"
+                                + json.dumps(reference) + "\n")
+    with JudgeStub(rating_responder) as stub:
+        rc, _, err = run_judge(single_args(mt, stub), capsys)
+        one_error_line(rc, err, f"{mt['refs']}:2", "turns")
+        assert stub.calls == 0
+
+
+def test_pairwise_against_itself_is_refused(alpaca, capsys):
+    with JudgeStub(pair_responder) as stub:
+        args = pair_args(alpaca, stub)
+        args[args.index("--baseline-file") + 1] = str(Path(alpaca["answers"]).parent / "." / "a.jsonl")
+        rc, _, err = run_judge(args, capsys)
+        one_error_line(rc, err, "given twice")
+        assert stub.calls == 0
+
+
+@pytest.mark.parametrize("meta, recorded", [
+    ({"bench": "mt_bench", "question_file": "/data/mt_bench/question.jsonl"}, "'mt_bench'"),
+    ({"bench": None, "question_file": "/runs/custom.jsonl"}, "/runs/custom.jsonl"),
+])
+def test_bench_the_meta_contradicts_is_refused(alpaca, capsys, meta, recorded):
+    """--bench alpaca for answers the meta records as another bench's, or a custom question file's, is refused
+    (naming what the meta recorded) before anything is resolved or called."""
+    Path(alpaca["answers"] + ".meta.json").write_text(json.dumps(meta))
+    with JudgeStub(pair_responder) as stub:
+        args = [a for a in pair_args(alpaca, stub) if a not in ("--question-file", alpaca["questions"])]
+        rc, _, err = run_judge(args + ["--bench", "alpaca"], capsys)
+        one_error_line(rc, err, recorded, "omit --bench")
+        assert stub.calls == 0

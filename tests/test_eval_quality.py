@@ -139,7 +139,9 @@ def test_sbert_on_packaged_model(tmp_path, capsys):
     assert cos[0] > 0.4 > cos[1]
     assert enc.cosine(["same text"], ["same text"])[0] == pytest.approx(1.0, abs=1e-5)
     _, files, _ = write_files(tmp_path)
-    rc = run_cli(quality.main, ["--answer-file", files["lossless"], "--reference-file", files["lossless"],
+    copy = tmp_path / "lossless_copy.jsonl"
+    copy.write_text(open(files["lossless"]).read())
+    rc = run_cli(quality.main, ["--answer-file", files["lossless"], "--reference-file", str(copy),
                                 "--no-loglik", "--sbert", "--json"])
     res = json.loads(capsys.readouterr().out)
     assert rc == 0 and res["sbert_cosine"] == pytest.approx(1.0, abs=1e-5) and res["exact_match_rate"] == 1.0
@@ -156,3 +158,55 @@ def test_bad_input_exits_2(tmp_path, capsys, extra, message):
                  + (["--question-file", str(tmp_path / "q.jsonl")] if extra else []))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and message in err[0]
+
+
+def one_error_line(rc, capsys, *needles):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert all(n in err[0] for n in needles), err[0]
+
+
+def test_output_naming_the_reference_file_is_refused_and_kept(tmp_path, capsys):
+    _, files, _ = write_files(tmp_path)
+    before = open(files["lossless"]).read()
+    rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"],
+                                "--no-loglik", "--output", files["lossless"]])
+    one_error_line(rc, capsys, "also an input")
+    assert open(files["lossless"]).read() == before
+
+
+def test_same_file_as_answers_and_reference_is_refused(tmp_path, capsys):
+    _, files, _ = write_files(tmp_path)
+    rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file",
+                                str(tmp_path / "." / "lossy.jsonl"), "--no-loglik"])
+    one_error_line(rc, capsys, "given twice")
+
+
+def test_token_ids_outside_the_vocabulary_are_another_models_answers(tmp_path, tiny_model, capsys):
+    path, _ = tiny_model
+    qfile, files, _ = write_files(tmp_path)
+    rows = [json.loads(x) for x in open(files["lossy"])]
+    rows[1]["choices"][0]["token_ids"][0] = [5, 48000, 7]  # a 49k-vocabulary model's id; this one has 47
+    (tmp_path / "lossy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"],
+                                "--model-path", path, "--question-file", qfile])
+    one_error_line(rc, capsys, "lossy.jsonl", "do not fit the vocabulary", "48000", "another model",
+                   "--model-path")
+
+
+def test_sbert_model_that_is_a_causal_lm_is_refused(tmp_path, tiny_model, capsys):
+    path, _ = tiny_model
+    _, files, _ = write_files(tmp_path)
+    rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"],
+                                "--no-loglik", "--sbert", "--sbert-model", path])
+    one_error_line(rc, capsys, "not a Sentence-BERT model", path)
+
+
+def test_unknown_conv_template_in_the_meta_is_refused(tmp_path, tiny_model, capsys):
+    pytest.importorskip("fastchat")
+    path, _ = tiny_model
+    qfile, files, _ = write_files(tmp_path)
+    (tmp_path / "lossless.jsonl.meta.json").write_text(json.dumps({"conv_template": "no-such-template"}))
+    rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"],
+                                "--model-path", path, "--question-file", qfile])
+    one_error_line(rc, capsys, "lossless.jsonl.meta.json", "no-such-template")

@@ -128,3 +128,65 @@ def test_result_file_of_wrong_kind_exits_2(runs, capsys):
     rc = run_cli(report.main, ["--run", f"EAGLE-3={runs['e3']}", "--gsm8k", f"EAGLE-3={runs['single']}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "accuracy" in err[0]
+
+
+def one_error_line(rc, capsys, *needles):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert all(n in err[0] for n in needles), err[0]
+
+
+def test_out_dir_holding_an_input_is_refused_and_the_input_kept(runs, capsys):
+    """--out DIR where DIR/report.json is a --judge result given: refused before anything is written."""
+    result = runs["dir"] / "report.json"
+    result.write_text(json.dumps({"mode": "single", "score": 7.0}))
+    rc = run_cli(report.main, ["--run", f"EAGLE-3={runs['e3']}", "--judge", f"EAGLE-3={result}",
+                               "--out", str(runs["dir"])])
+    one_error_line(rc, capsys, "also an input", "report.json")
+    assert json.loads(result.read_text())["score"] == 7.0 and not list(runs["dir"].glob("*.png"))
+
+
+@pytest.mark.parametrize("blocked", ["/proc", "report.md", "tau_speedup_vs_depth.png", "quality_vs_speedup.png",
+                                     "report.json"])
+def test_out_that_cannot_be_written_is_refused_before_anything_is_written(runs, capsys, blocked):
+    out = runs["dir"] / "out"
+    if blocked == "/proc":
+        out = blocked
+    else:
+        (out / blocked).mkdir(parents=True)
+    rc = run_cli(report.main, argv(runs, "--out", str(out)))
+    one_error_line(rc, capsys, "cannot write")
+    if blocked != "/proc":
+        assert sorted(p.name for p in out.iterdir()) == [blocked]  # nothing else written
+
+
+@pytest.mark.parametrize("option, result, field", [
+    ("--judge", {"mode": "pairwise", "win_rate": 0.5, "ci95": 0.4}, "ci95"),
+    ("--judge", {"mode": "pairwise", "win_rate": 0.5, "ci95": [0.4, "0.6"]}, "ci95"),
+    ("--judge", {"mode": "pairwise", "win_rate": "0.5", "ci95": None}, "win_rate"),
+    ("--judge", {"mode": "single", "score": "7"}, "score"),
+    ("--gsm8k", {"accuracy": "0.5"}, "accuracy"),
+    ("--gsm8k", {"accuracy": None}, "accuracy"),
+    ("--quality", {"exact_match_rate": 0.5, "sbert_cosine": [0.9]}, "sbert_cosine"),
+    ("--quality", {"exact_match_rate": True}, "exact_match_rate"),
+])
+def test_result_field_of_the_wrong_type_names_file_and_field(runs, capsys, option, result, field):
+    path = runs["dir"] / "result.json"
+    path.write_text(json.dumps(result))
+    rc = run_cli(report.main, ["--run", f"EAGLE-3={runs['e3']}", option, f"EAGLE-3={path}"])
+    one_error_line(rc, capsys, option, str(path), f"'{field}'")
+
+
+def test_null_figures_of_a_failed_run_are_accepted(runs, capsys):
+    """A judge run in which nothing was judged writes null figures: a '-' cell, not an error."""
+    path = runs["dir"] / "result.json"
+    path.write_text(json.dumps({"mode": "pairwise", "win_rate": None, "ci95": None, "n": 0}))
+    assert run_cli(report.main, ["--run", f"EAGLE-3={runs['e3']}", "--judge", f"EAGLE-3={path}"]) == 0
+    assert "| EAGLE-3 |" in capsys.readouterr().out
+
+
+def test_same_file_twice_under_one_name_is_refused(runs, capsys):
+    """Under one NAME a file given twice would count as two repeats; under two names it is two rows (allowed)."""
+    rc = run_cli(report.main, ["--run", f"X={runs['dm_a']}", "--run", f"X={runs['dir'] / '.' / 'dm_a.jsonl'}"])
+    one_error_line(rc, capsys, "given twice", "--run X")
+    assert run_cli(report.main, ["--run", f"X={runs['dm_a']}", "--run", f"Y={runs['dm_a']}"]) == 0

@@ -212,3 +212,61 @@ def test_missing_file_and_bad_option_exit_2(tmp_path, capsys):
         speed.main(["--bogus"])
     assert exc.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def one_error_line(rc, capsys, *needles):
+    """The command failed with exit status 2 and exactly one ``error:`` line holding every needle."""
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert all(n in err[0] for n in needles), err[0]
+    return err[0]
+
+
+@pytest.mark.parametrize("victim", ["answer", "meta", "baseline", "baseline meta", "questions"])
+def test_output_naming_an_input_is_refused_and_the_input_kept(tmp_path, files, capsys, victim):
+    """--output that resolves to one of speed's inputs (written another way: ./x) is refused before any work."""
+    base, dm, _ = files
+    qf = tmp_path / "q.jsonl"
+    qf.write_text("".join(json.dumps({"question_id": q, "category": "writing", "turns": ["x"]}) + "\n"
+                          for q in (1, 2)))
+    target = {"answer": dm, "meta": dm + ".meta.json", "baseline": base, "baseline meta": base + ".meta.json",
+              "questions": str(qf)}[victim]
+    before = open(target).read()
+    spelled = str(tmp_path / "." / target.split("/")[-1])
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base, "--question-file", str(qf),
+                              "--output", spelled])
+    one_error_line(rc, capsys, "also an input", "overwrite")
+    assert open(target).read() == before
+
+
+def test_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, files, capsys):
+    base, dm, _ = files
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base, "--output",
+                              str(tmp_path / "no_such_dir" / "out.json")])
+    one_error_line(rc, capsys, "cannot write", "no_such_dir")
+
+
+@pytest.mark.parametrize("meta_text, key", [
+    ('"dropout_p": "0.3x"', "dropout_p"),
+    ('"dropout_p": [0.3]', "dropout_p"),
+    ('"depth": Infinity', "depth"),
+    ('"bench": ["mt_bench"]', "bench"),
+])
+def test_corrupt_meta_values_name_the_meta_file_and_key(tmp_path, files, capsys, meta_text, key):
+    base, dm, _ = files
+    meta = json.dumps({k: v for k, v in META_DM.items() if k != key})
+    (tmp_path / "dm.jsonl.meta.json").write_text(meta[:-1] + ", " + meta_text + "}")
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base])
+    one_error_line(rc, capsys, "dm.jsonl.meta.json", f"'{key}'")
+
+
+def test_dropout_p_auto_is_accepted(tmp_path, files):
+    base, _, _ = files
+    dm = write_answers(tmp_path / "auto.jsonl", dm_records(), {**META_DM, "dropout_p": "auto:0.5"})
+    assert speed.speed_report([dm], [base])["runs"][0]["label"].startswith("EAGLE-3 + DropMatch")
+
+
+def test_same_answer_file_given_twice_is_refused(tmp_path, files, capsys):
+    base, dm, _ = files
+    rc = run_cli(speed.main, ["--answer-file", dm, str(tmp_path / "." / "dm.jsonl"), "--baseline-file", base])
+    one_error_line(rc, capsys, "given twice", "--answer-file")
