@@ -107,7 +107,8 @@ def summarise(records: list[dict]) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variant", action="append", required=True, help="NAME=GEN_FLAGS (first = reference)")
-    p.add_argument("--bench", default="mt_bench")
+    p.add_argument("--bench", help="mt_bench, alpaca, gsm8k or humaneval (default: mt_bench, unless "
+                                   "--question-file is given: then its answers record no bench, as gen's do)")
     p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
     p.add_argument("--question-begin", type=int)
     p.add_argument("--question-end", type=int)
@@ -122,7 +123,9 @@ def main(argv=None) -> int:
             print(f"error: threads must be >= 1, got {args.threads}", file=sys.stderr)
             return 2
         torch.set_num_threads(args.threads)
-    common = shlex.split(args.common) + ["--bench", args.bench]
+    if args.bench is None and not args.question_file:
+        args.bench = "mt_bench"
+    common = shlex.split(args.common) + (["--bench", args.bench] if args.bench else [])
     try:
         variants = parse_variants(args.variant, common)
         qfile = questions_path(args.question_file, args.bench)
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     dtypes = sorted({v.dtype for v in variants.values()})
-    print(f"{args.bench}: {len(questions)} questions x {args.turns} turn(s), {'/'.join(dtypes)}, "
+    print(f"{args.bench or qfile}: {len(questions)} questions x {args.turns} turn(s), {'/'.join(dtypes)}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'variant':24s}{'tokens':>8s}{'tok/s':>8s}{'speedup':>9s}{'med q':>7s}{'tau':>7s}{'exact tau':>10s}"
           f"{'tau/prev':>9s}{'tok/s/prev':>11s}{'agree':>7s}{'identical':>10s}")

@@ -172,6 +172,8 @@ def test_bench_methods_compares_two_heads_side_by_side(tiny_model_dir, tmp_path,
         own = [json.loads(line)["choices"][0] for line in alone.open()]
         assert [c["accept_lengths"][0] for c in side_by_side] == [c["accept_lengths"][0] for c in own]  # turn 1
     assert report["table"]["first"]["tau"] < report["table"]["other"]["tau"]  # the two heads drafted differently
+    meta = json.loads((tmp_path / "bench" / "first.jsonl.meta.json").read_text())
+    assert meta["bench"] is None and meta["question_file"] == str(questions)  # as gen records a question file
     # A head-less --baseline variant after a variant with an explicit head needs no head of its own.
     assert _script("bench_methods").main(
         ["--question-file", str(questions), "--question-end", "1", "--out-dir", str(tmp_path / "bench2"),
