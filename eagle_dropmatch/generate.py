@@ -190,7 +190,7 @@ class SpeculativeDecoder:
         if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
             raise ValueError(f"one prompt at a time: ids of shape [S] or [1, S], got {list(ids.shape)}")
         vocab = self.target.get_input_embeddings().weight.shape[0]
-        low, high = int(ids.min()), int(ids.max())
+        low, high = torch.stack(torch.aminmax(ids)).tolist()  # one host read, not two
         if low < 0 or high >= vocab:
             raise ValueError(f"prompt ids must be in [0, {vocab}) (the target's vocabulary), got {low}..{high}")
         ids = ids.to(torch.long).reshape(1, -1).to(self.device)
