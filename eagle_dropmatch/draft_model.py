@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import DynamicCache
 
 from .acceptance import distribution
 from .drafters import Drafter, chain_tree
@@ -54,6 +55,21 @@ def check_tokenizers(target_tokenizer, draft_tokenizer, samples: tuple[str, ...]
                                   "target's; the draft must share the target's tokenizer")
 
 
+def draft_cache(config) -> DynamicCache:
+    """The draft model's cache: transformers' own layers, so that sliding-window and chunked layers hold only
+    their window (chunk) of entries, as in plain decoding, with past recording on, so that the drafts a round
+    rejects can still be cropped after the window is full. The draft builds its own masks from these layers
+    (no tree: a chain). Where transformers' sliding layers cannot record their past, every layer keeps every
+    entry (``new_cache``)."""
+    cache = DynamicCache(config=config)
+    sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    if not all(hasattr(layer, "activate_past_recording") for layer in sliding):
+        return new_cache(config)
+    for layer in sliding:
+        layer.activate_past_recording()
+    return cache
+
+
 class ModelDrafter(Drafter):
     """Chains of L tokens from a separate draft LM with its own KV cache.
 
@@ -90,7 +106,7 @@ class ModelDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.cache = new_cache(self.model.config)
+        self.cache = draft_cache(self.model.config)
         self.tokens = torch.empty(0, dtype=torch.long, device=self.device)  # [T] committed, the root last
         self.cached = 0  # entries in the draft cache: tokens[:cached], then this round's drafts
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)

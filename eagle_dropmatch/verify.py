@@ -338,7 +338,8 @@ def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[in
 
 
 def crop_cache(cache, length: int) -> None:
-    """Drop cache entries beyond ``length``."""
+    """Drop cache entries beyond ``length`` (a sliding layer that records its past, ``draft_cache``, then also
+    drops the entries its window no longer needs, even when nothing beyond ``length`` is dropped)."""
     current = cache.get_seq_length()
-    if current > length:
-        cache.crop(length - current)
+    if current > 0:  # layers are made by their first update
+        cache.crop(min(0, length - current))

@@ -87,6 +87,21 @@ def heads_by_variant(model: EagleModel, variants: dict[str, argparse.Namespace],
             for name, vargs in variants.items()}
 
 
+def check_answer_files(out_dir: Path, variants: dict, overwrite: bool) -> None:
+    """Refuses (UsageError) to replace answers an earlier run wrote to ``out_dir`` unless ``overwrite``.
+
+    Variants are answered question by question side by side, so a run cannot resume another run's files:
+    it starts them afresh, which would lose them.
+    """
+    if overwrite:
+        return
+    held = [out_dir / f"{name}.jsonl" for name in variants]
+    held = [path for path in held if path.exists() and path.stat().st_size > 0]
+    if held:
+        raise gen.UsageError(f"{held[0]} already holds answers (of {len(held)} variant(s) here); pass "
+                             "--overwrite to replace them, or another --out-dir")
+
+
 def summarise(records: list[dict]) -> dict:
     choices = [r["choices"][0] for r in records]
     tokens = sum(sum(c["new_tokens"]) for c in choices)
@@ -117,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--common", default="", help="gen flags shared by all variants (e.g. '--dtype float32')")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the answer files a run left in --out-dir (default: refuse, so none is lost)")
     args = p.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -132,6 +149,7 @@ def main(argv=None) -> int:
         questions = read_questions(qfile, args.question_begin, args.question_end)
         if not questions:
             raise gen.UsageError(f"no questions in {qfile} between --question-begin and --question-end")
+        check_answer_files(Path(args.out_dir), variants, args.overwrite)
         models = models_by_variant(variants)
     except (gen.UsageError, LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -7,10 +7,14 @@ as Gemma 3; its width and depth set by the flags) and a random EAGLE-3 head, and
 three ways on the same tokens:
 - plain decoding, with transformers' own cache (its sliding layers keep their last W - 1 entries);
 - EAGLE-3, whose sliding layers drop the entries that no later query reads (``verify.LocalLayers``);
-- EAGLE-3 with that trimming turned off (``--untrimmed``; how the engine held the cache before: every layer
-  the whole sequence, the window applied in the masks only).
-Prints, per variant, the entries each layer type holds at the end, the KV bytes, tokens/s and whether the
-tokens equal plain decoding's. Random weights accept almost no draft, so tau is about 1: this measures the
+- EAGLE-3 with that trimming turned off (how the engine held the cache before: every layer the whole
+  sequence, the window applied in the masks only);
+- standard speculative decoding with a random draft model of the same style (half the layers, at least 6; chains of 4),
+  whose cache (``draft_model.draft_cache``: transformers' sliding layers, recording their past so that
+  rejected drafts can be cropped) is the one reported, and the same with a draft cache that keeps every entry
+  (how the draft held it before).
+Prints, per variant, the entries each layer type of the reported cache holds at the end, its KV bytes,
+tokens/s and whether the tokens equal plain decoding's. Random weights accept almost no draft, so tau is about 1: this measures the
 cache, not the speedup. Not a test: the timings depend on the machine and its load.
 """
 
@@ -25,30 +29,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eagle_dropmatch import draft_model  # noqa: E402
 from eagle_dropmatch.drafters import Eagle3Drafter  # noqa: E402
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder  # noqa: E402
 from eagle_dropmatch.head import (Eagle3Head, default_aux_layer_ids, head_config_for_target,  # noqa: E402
                                   init_head_weights)
-from eagle_dropmatch.verify import LocalLayers  # noqa: E402
+from eagle_dropmatch.verify import LocalLayers, new_cache  # noqa: E402
+
+
+def gemma3_style(args: argparse.Namespace, layers: int):
+    """A random Gemma-3-style LM of ``layers`` layers, a full-attention layer every sixth."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    config = Gemma3TextConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=1, head_dim=args.hidden // 4,
+        sliding_window=args.window, max_position_embeddings=4 * (args.prompt_tokens + args.new_tokens),
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        attn_implementation="sdpa")
+    return Gemma3ForCausalLM(config).to(args.dtype).eval()
 
 
 def build(args: argparse.Namespace):
-    """A random Gemma-3-style target (``--layers``, a full-attention layer every sixth) and an EAGLE-3 head."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    """A random Gemma-3-style target (``--layers``), an EAGLE-3 head and a draft model of half the layers (at least 6)."""
     torch.manual_seed(args.seed)
-    config = Gemma3TextConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=1, head_dim=args.hidden // 4,
-        sliding_window=args.window, max_position_embeddings=4 * (args.prompt_tokens + args.new_tokens),
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(args.layers)],
-        attn_implementation="sdpa")
-    target = Gemma3ForCausalLM(config).to(args.dtype).eval()
+    target = gemma3_style(args, args.layers)
+    config = target.config
     aux = default_aux_layer_ids(args.layers)
     head = Eagle3Head(head_config_for_target(config, draft_vocab_size=args.vocab // 2),
                       target.get_input_embeddings())
     init_head_weights(head, std=0.02, seed=args.seed)
     head.set_vocab_map(torch.arange(args.vocab // 2))
-    return target, head.to(args.dtype).eval(), aux
+    return target, head.to(args.dtype).eval(), aux, gemma3_style(args, max(6, args.layers // 2))
 
 
 def held_entries(cache, layer_types: list[str]) -> dict[str, int]:
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     args.dtype = getattr(torch, args.dtype)
-    target, head, aux = build(args)
+    target, head, aux, draft = build(args)
     engine = SpeculativeDecoder(target, aux)
     prompt = torch.randint(0, args.vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(args.seed))
     cfg = DecodeConfig(max_new_tokens=args.new_tokens)
@@ -117,13 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         LocalLayers.trim = trim
     rows.append(("EAGLE-3, untrimmed (before)", untrimmed, seconds, cache))
+    draft_types = list(draft.config.layer_types)
+    drafter = draft_model.ModelDrafter(draft, 4)
+    standard, seconds, _ = run(engine, prompt, cfg, drafter)
+    rows.append(("draft model's cache, window kept", standard, seconds, drafter.cache, draft_types))
+    make = draft_model.draft_cache
+    draft_model.draft_cache = new_cache
+    try:
+        drafter = draft_model.ModelDrafter(draft, 4)
+        standard, seconds, _ = run(engine, prompt, cfg, drafter)
+    finally:
+        draft_model.draft_cache = make
+    rows.append(("draft model's cache, every entry (before)", standard, seconds, drafter.cache, draft_types))
     print(f"random Gemma-3-style target: {args.layers} layers ({types.count('sliding_attention')} sliding, W = "
           f"{args.window}), hidden {args.hidden}, {args.dtype}; {args.prompt_tokens} prompt + {args.new_tokens} "
           f"new tokens\n")
     print("| variant | sliding layer entries | full layer entries | KV MiB | tok/s | tokens = plain |")
     print("|---|---|---|---|---|---|")
-    for name, tokens, seconds, cache in rows:
-        held = held_entries(cache, types)
+    for name, tokens, seconds, cache, *kinds in rows:
+        held = held_entries(cache, kinds[0] if kinds else types)
         print(f"| {name} | {held.get('sliding_attention', 0)} | {held.get('full_attention', 0)} | "
               f"{kv_bytes(cache) / 2 ** 20:.2f} | {len(tokens) / seconds:.1f} | {tokens == plain} |")
     return 0

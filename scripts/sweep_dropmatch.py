@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--dtype", default="bfloat16", help="float32 has no noise floor: lossless decoders agree exactly")
     p.add_argument("--no-sbert", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace the answers a run left in --out-dir")
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     models = f" --dtype {args.dtype}"
@@ -61,9 +62,12 @@ def main(argv=None) -> int:
     runs = {"mt_bench": (args.questions, args.max_new_tokens),
             "gsm8k": (args.gsm8k_questions or args.questions, args.gsm8k_max_new_tokens or args.max_new_tokens)}
     for bench, (questions, max_new_tokens) in runs.items():
-        bench_methods.main(["--bench", bench, "--question-end", str(questions), "--out-dir", str(out / bench),
-                            "--common", f"--max-new-tokens {max_new_tokens}{models}",
-                            *[x for v in variants for x in ("--variant", v)]])
+        rc = bench_methods.main(["--bench", bench, "--question-end", str(questions), "--out-dir", str(out / bench),
+                                 "--common", f"--max-new-tokens {max_new_tokens}{models}",
+                                 *[x for v in variants for x in ("--variant", v)],
+                                 *(["--overwrite"] if args.overwrite else [])])
+        if rc:  # bench_methods printed the error; the summaries below would be another run's, or none
+            return rc
 
     from evaluation.gsm8k import gsm8k_accuracy
     from evaluation.quality import quality_report

@@ -123,16 +123,32 @@ def test_local_layers_keep_only_the_entries_later_queries_read(name, monkeypatch
     assert len(full) <= 1 and all(n >= len(prompt()) + NEW - 1 for n in full)
 
 
-def test_a_draft_model_with_a_window_drafts_as_it_decodes():
-    """Standard speculative decoding where target and draft slide: the draft's cache keeps every entry, so
-    cropping after a rejection works past the window, and the output is the target's greedy output."""
-    target = build("mistral-window")
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n.endswith("window")])
+def test_a_draft_model_with_a_window_keeps_only_its_window(name, monkeypatch):
+    """Standard speculative decoding where target and draft slide (or chunk): the draft's local layers hold
+    at most their window of entries plus one proposal's reads, where they held the whole sequence, and still
+    crop the drafts a round rejects after the window is full: the drafts (accept lengths) are those of a
+    draft cache that keeps every entry, and the output is the target's greedy output."""
+    from eagle_dropmatch import draft_model
+    target = build(name)
     draft = noisy_copy(target, 0.1, seed=0)
     engine = SpeculativeDecoder(target, [2, 4, 5])
-    ids = prompt(3)
-    out = engine.generate(ids, ModelDrafter(draft, 4), DecodeConfig(max_new_tokens=NEW))
+    ids, length = prompt(3), 4
+    drafter = ModelDrafter(draft, length)
+    out = engine.generate(ids, drafter, DecodeConfig(max_new_tokens=NEW))
     assert out.token_ids == greedy_reference(target, ids, NEW)
-    assert 1.0 < out.tau < 5.0  # some drafts rejected, some accepted
+    assert 1.0 < out.tau < length + 1  # some drafts rejected, some accepted
+    types = getattr(draft.config, "layer_types", None) or ["sliding_attention"] * draft.config.num_hidden_layers
+    held = {kind: {layer.keys.shape[2] for layer, k in zip(drafter.cache.layers, types) if k == kind}
+            for kind in set(types)}
+    local = held.get("sliding_attention", set()) | held.get("chunked_attention", set())
+    assert local and max(local) <= WINDOW + length  # W - 1, then a proposal reads up to L + 1 tokens
+    assert all(n >= len(ids) + NEW - length - 1 for n in held.get("full_attention", set()))
+    monkeypatch.setattr(draft_model, "draft_cache", new_cache)  # every layer keeps every entry
+    keeping = ModelDrafter(draft, length)
+    whole = engine.generate(ids, keeping, DecodeConfig(max_new_tokens=NEW))
+    assert whole.token_ids == out.token_ids and whole.accept_lengths == out.accept_lengths
+    assert all(layer.keys.shape[2] >= len(ids) + NEW - length - 1 for layer in keeping.cache.layers)
 
 
 def test_local_attention_per_layer_type():

@@ -198,6 +198,34 @@ def test_bench_methods_bad_input_is_one_line(tiny_model_dir, tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # nothing written before the input was checked
 
 
+def test_bench_methods_keeps_an_earlier_runs_answers(tiny_model_dir, tmp_path, capsys):
+    """A second run into the same --out-dir refuses (one line, before loading) instead of starting the
+    earlier run's answer files afresh; --overwrite replaces them. sweep_dropmatch stops on that error
+    rather than summarising another run's files."""
+    out = tmp_path / "out"
+    args = ["--question-file", str(tiny_model_dir / "questions.jsonl"), "--question-end", "1", "--out-dir", str(out),
+            "--common", f"--model-path {tiny_model_dir / 'target'} --max-new-tokens 4", "--variant", "a=--baseline"]
+    assert _script("bench_methods").main(args) == 0
+    written = (out / "a.jsonl").read_text()
+    assert written.count("\n") == 1
+    capsys.readouterr()
+    assert _script("bench_methods").main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--overwrite" in err and err.count("\n") == 1, err
+    assert (out / "a.jsonl").read_text() == written  # untouched
+    assert _script("bench_methods").main(args + ["--overwrite"]) == 0
+    assert (out / "a.jsonl").read_text().count("\n") == 1  # replaced, not appended
+    sweep = tmp_path / "sweep"
+    (sweep / "mt_bench").mkdir(parents=True)
+    (sweep / "mt_bench" / "eagle3.jsonl").write_text("{}\n")
+    capsys.readouterr()
+    rc = _script("sweep_dropmatch").main(["--model-path", str(tiny_model_dir / "target"), "--ea-model-path",
+                                          str(tiny_model_dir / "head"), "--questions", "1", "--max-new-tokens", "4",
+                                          "--no-sbert", "--out-dir", str(sweep), "--variant", "k=--dropmatch-k 1"])
+    assert rc == 2 and "Traceback" not in capsys.readouterr().err
+    assert not (sweep / "sweep.md").exists()
+
+
 def test_bench_methods_compares_two_dtypes_side_by_side(tiny_model_dir, tmp_path, capsys):
     """Variants that differ in --dtype get a target each, loaded once, and each variant's answers are the
     ones gen writes with that dtype alone."""
@@ -316,6 +344,9 @@ def test_bench_window_cache_reports_the_entries_each_variant_holds(capsys):
     assert untrimmed[1] == untrimmed[2] and int(trimmed[2]) >= 35 and int(untrimmed[2]) >= 35
     assert float(trimmed[3]) < float(untrimmed[3])
     assert [row[5].strip() for row in (plain, trimmed, untrimmed)] == ["True"] * 3
+    kept, every = rows["draft model's cache, window kept"], rows["draft model's cache, every entry (before)"]
+    assert int(kept[1]) <= 8 + 4 and int(every[1]) >= 35 - 5  # W + a proposal's reads; the whole sequence
+    assert kept[5].strip() == every[5].strip() == "True"
 
 
 @pytest.mark.parametrize("argv", [["--window", "0"], ["--layers", "4"]])
