@@ -119,7 +119,8 @@ def attention_chunk(config) -> int | None:
 
 
 def new_cache(config) -> DynamicCache:
-    """An empty KV cache whose layers keep what the engine puts there, for the target or a draft model.
+    """An empty KV cache whose layers keep what the engine puts there: the target's (a draft model's is
+    ``draft_model.draft_cache``, which falls back on this one).
 
     Compaction and cropping address entries by position, so a target with sliding-window or chunked layers
     gets plain layers too (``DynamicCache(config=...)`` would drop entries outside the window or chunk on its
