@@ -151,6 +151,26 @@ def test_a_draft_model_with_a_window_keeps_only_its_window(name, monkeypatch):
     assert all(layer.keys.shape[2] >= len(ids) + NEW - length - 1 for layer in keeping.cache.layers)
 
 
+def test_a_sampling_draft_model_with_a_window_keeps_only_its_window():
+    """At T > 0 (rejection sampling; rejected drafts cropped past the window) the draft's local layers stay
+    bounded too, and the run gives the same tokens as with a draft cache that keeps every entry."""
+    from eagle_dropmatch import draft_model
+    target = build("gemma3-window")
+    draft = noisy_copy(target, 0.1, seed=0)
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    cfg = DecodeConfig(max_new_tokens=NEW, temperature=0.8, seed=3)
+    drafter = ModelDrafter(draft, 4, temperature=0.8, seed=3)
+    out = engine.generate(prompt(5), drafter, cfg)
+    assert len(out.token_ids) == NEW and 1.0 < out.tau < 5.0
+    types = draft.config.layer_types
+    assert max(layer.keys.shape[2] for layer, kind in zip(drafter.cache.layers, types)
+               if kind == "sliding_attention") <= WINDOW + 4
+    keeping = ModelDrafter(draft, 4, temperature=0.8, seed=3)
+    keeping.cache = draft_model.new_cache(draft.config)  # every layer keeps every entry
+    keeping.reset = lambda: None  # generate resets its drafter; keep that cache
+    assert engine.generate(prompt(5), keeping, cfg).token_ids == out.token_ids
+
+
 def test_local_attention_per_layer_type():
     mask = torch.ones(1, 1, 2, 12, dtype=torch.bool)
     queries = torch.tensor([10, 11])
