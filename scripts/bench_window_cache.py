@@ -9,13 +9,13 @@ three ways on the same tokens:
 - EAGLE-3, whose sliding layers drop the entries that no later query reads (``verify.LocalLayers``);
 - EAGLE-3 with that trimming turned off (how the engine held the cache before: every layer the whole
   sequence, the window applied in the masks only);
-- standard speculative decoding with a random draft model of the same style (half the layers, at least 6; chains of 4),
-  whose cache (``draft_model.draft_cache``: transformers' sliding layers, recording their past so that
+- standard speculative decoding with a random draft model of the same style (half the layers, at least 6;
+  chains of 4), whose cache (``draft_model.draft_cache``: transformers' sliding layers, recording their past so that
   rejected drafts can be cropped) is the one reported, and the same with a draft cache that keeps every entry
   (how the draft held it before).
 Prints, per variant, the entries each layer type of the reported cache holds at the end, its KV bytes,
-tokens/s and whether the tokens equal plain decoding's. Random weights accept almost no draft, so tau is about 1: this measures the
-cache, not the speedup. Not a test: the timings depend on the machine and its load.
+tokens/s and whether the tokens equal plain decoding's. Random weights accept almost no draft, so tau is
+about 1: this measures the cache, not the speedup. Not a test: the timings depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def gemma3_style(args: argparse.Namespace, layers: int):
 
 
 def build(args: argparse.Namespace):
-    """A random Gemma-3-style target (``--layers``), an EAGLE-3 head and a draft model of half the layers (at least 6)."""
+    """A random Gemma-3-style target (``--layers``), an EAGLE-3 head, and a draft model of half the layers
+    (at least 6)."""
     torch.manual_seed(args.seed)
     target = gemma3_style(args, args.layers)
     config = target.config
@@ -118,16 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     types = list(target.config.layer_types)
     rows = []
     plain, seconds, cache = run(engine, prompt, cfg, None)
-    rows.append(("plain decoding (transformers' cache)", plain, seconds, cache))
+    rows.append(("plain decoding (transformers' cache)", plain, seconds, cache, types))
     eagle, seconds, cache = run(engine, prompt, cfg, Eagle3Drafter(head, 8, 3, 2))
-    rows.append(("EAGLE-3, local layers trimmed", eagle, seconds, cache))
+    rows.append(("EAGLE-3, local layers trimmed", eagle, seconds, cache, types))
     trim = LocalLayers.trim
     LocalLayers.trim = lambda self, cache, length: None
     try:
         untrimmed, seconds, cache = run(engine, prompt, cfg, Eagle3Drafter(head, 8, 3, 2))
     finally:
         LocalLayers.trim = trim
-    rows.append(("EAGLE-3, untrimmed (before)", untrimmed, seconds, cache))
+    rows.append(("EAGLE-3, untrimmed (before)", untrimmed, seconds, cache, types))
     draft_types = list(draft.config.layer_types)
     drafter = draft_model.ModelDrafter(draft, 4)
     standard, seconds, _ = run(engine, prompt, cfg, drafter)
@@ -145,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
           f"new tokens\n")
     print("| variant | sliding layer entries | full layer entries | KV MiB | tok/s | tokens = plain |")
     print("|---|---|---|---|---|---|")
-    for name, tokens, seconds, cache, *kinds in rows:
-        held = held_entries(cache, kinds[0] if kinds else types)
+    for name, tokens, seconds, cache, kinds in rows:
+        held = held_entries(cache, kinds)
         print(f"| {name} | {held.get('sliding_attention', 0)} | {held.get('full_attention', 0)} | "
               f"{kv_bytes(cache) / 2 ** 20:.2f} | {len(tokens) / seconds:.1f} | {tokens == plain} |")
     return 0

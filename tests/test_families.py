@@ -19,8 +19,8 @@ from eagle_dropmatch.dropmatch import DropMatchConfig
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.loading import LoadError, load
 from eagle_dropmatch.train import draft_vocab_logits
-from eagle_dropmatch.verify import (attention_chunk, decoder_of, local_attention, mask_in_dtype, new_cache,
-                                    sliding_window, target_forward)
+from eagle_dropmatch.verify import (LocalLayers, attention_chunk, decoder_of, local_attention, mask_in_dtype,
+                                    new_cache, sliding_window, target_forward)
 
 from conftest import OracleDrafter, greedy_reference, noisy_copy, tiny_head
 
@@ -69,6 +69,11 @@ def build(name: str):
     return model
 
 
+def layer_types(config) -> list[str]:
+    """Each layer's attention type, as the engine reads it (``LocalLayers``)."""
+    return LocalLayers(config, sliding_window(config), attention_chunk(config)).layer_types
+
+
 def prompt(seed: int = 0) -> torch.Tensor:
     return torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(seed))
 
@@ -112,7 +117,7 @@ def test_local_layers_keep_only_the_entries_later_queries_read(name, monkeypatch
     reference = greedy_reference(target, prompt(), NEW)
     out = engine.generate(prompt(), OracleDrafter(reference, 6, VOCAB, seed=0), DecodeConfig(max_new_tokens=NEW))
     assert out.token_ids == reference
-    types = getattr(target.config, "layer_types", None) or ["sliding_attention"] * target.config.num_hidden_layers
+    types = layer_types(target.config)
     held: dict[str, set[int]] = {}
     for layer, kind in zip(caches[0].layers, types):
         assert layer.keys.shape[2] == layer.values.shape[2]
@@ -138,7 +143,7 @@ def test_a_draft_model_with_a_window_keeps_only_its_window(name, monkeypatch):
     out = engine.generate(ids, drafter, DecodeConfig(max_new_tokens=NEW))
     assert out.token_ids == greedy_reference(target, ids, NEW)
     assert 1.0 < out.tau < length + 1  # some drafts rejected, some accepted
-    types = getattr(draft.config, "layer_types", None) or ["sliding_attention"] * draft.config.num_hidden_layers
+    types = layer_types(draft.config)
     held = {kind: {layer.keys.shape[2] for layer, k in zip(drafter.cache.layers, types) if k == kind}
             for kind in set(types)}
     local = held.get("sliding_attention", set()) | held.get("chunked_attention", set())
@@ -151,7 +156,7 @@ def test_a_draft_model_with_a_window_keeps_only_its_window(name, monkeypatch):
     assert all(layer.keys.shape[2] >= len(ids) + NEW - length - 1 for layer in keeping.cache.layers)
 
 
-def test_a_sampling_draft_model_with_a_window_keeps_only_its_window():
+def test_a_sampling_draft_model_with_a_window_keeps_only_its_window(monkeypatch):
     """At T > 0 (rejection sampling; rejected drafts cropped past the window) the draft's local layers stay
     bounded too, and the run gives the same tokens as with a draft cache that keeps every entry."""
     from eagle_dropmatch import draft_model
@@ -162,12 +167,10 @@ def test_a_sampling_draft_model_with_a_window_keeps_only_its_window():
     drafter = ModelDrafter(draft, 4, temperature=0.8, seed=3)
     out = engine.generate(prompt(5), drafter, cfg)
     assert len(out.token_ids) == NEW and 1.0 < out.tau < 5.0
-    types = draft.config.layer_types
-    assert max(layer.keys.shape[2] for layer, kind in zip(drafter.cache.layers, types)
+    assert max(layer.keys.shape[2] for layer, kind in zip(drafter.cache.layers, layer_types(draft.config))
                if kind == "sliding_attention") <= WINDOW + 4
+    monkeypatch.setattr(draft_model, "draft_cache", new_cache)  # every layer keeps every entry
     keeping = ModelDrafter(draft, 4, temperature=0.8, seed=3)
-    keeping.cache = draft_model.new_cache(draft.config)  # every layer keeps every entry
-    keeping.reset = lambda: None  # generate resets its drafter; keep that cache
     assert engine.generate(prompt(5), keeping, cfg).token_ids == out.token_ids
 
 
