@@ -5,7 +5,8 @@
         --variant "dropmatch=--dropmatch-k 5 --dropout-p 0.3"
 
 Every variant is a set of `python -m eagle_dropmatch.gen` flags. Each target is loaded once: variants that
-differ in a load flag (`--dtype`, `--model-path`, `--device`, `--draft-model-path`) get a target each, and
+differ in a load flag (`--dtype`, `--model-path`, `--device`, `--draft-model-path`, `--cpu-prepack`) get a
+target each, and
 variants may name different heads (`--ea-model-path`), which are loaded beside their target, so two heads or
 two dtypes are compared side by side.
 Questions are answered variant after variant for each question in turn (so machine noise hits all variants
@@ -33,7 +34,7 @@ from eagle_dropmatch.loading import EagleModel, LoadError, bundled_head_path, lo
 from eagle_dropmatch.resources import ResourceError, questions_path, read_questions  # noqa: E402
 
 
-LOAD_FLAGS = ("model_path", "draft_model_path", "dtype", "device")  # variants sharing these share a target
+LOAD_FLAGS = ("model_path", "draft_model_path", "dtype", "device", "cpu_prepack")  # variants sharing these share a target
 
 
 def parse_variants(specs: list[str], common: list[str]) -> dict[str, argparse.Namespace]:
@@ -62,7 +63,7 @@ def models_by_variant(variants: dict[str, argparse.Namespace]) -> dict[str, Eagl
     for group in groups.values():
         first = next(iter(group.values()))
         model = load(first.model_path, first.ea_model_path, draft_model_path=first.draft_model_path,
-                     dtype=first.dtype, device=first.device, progress=False)
+                     dtype=first.dtype, device=first.device, progress=False, cpu_prepack=first.cpu_prepack)
         models.update(heads_by_variant(model, group, first))
     return models
 

@@ -18,13 +18,15 @@ def positive_int(text: str) -> int:
 
 def add_model_and_question_args(p: argparse.ArgumentParser, questions: int, max_new_tokens: int) -> None:
     """--model-path, --ea-model-path (default: the embedded default and its head), --bench, --question-file,
-    --questions (how many, from the first) and --max-new-tokens."""
+    --questions (how many, from the first), --max-new-tokens and --cpu-prepack."""
     p.add_argument("--model-path")
     p.add_argument("--ea-model-path")
     p.add_argument("--bench", default="mt_bench")
     p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
     p.add_argument("--questions", type=positive_int, default=questions)
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
+    p.add_argument("--cpu-prepack", default="auto", choices=["auto", "on", "off"],
+                   help="as gen's: bf16 linear layers on weights oneDNN reordered once")
 
 
 def load_model_and_questions(args: argparse.Namespace):
@@ -33,5 +35,6 @@ def load_model_and_questions(args: argparse.Namespace):
     Raises:
         LoadError, ResourceError: one clear sentence, for the caller to print.
     """
-    model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False)
+    model = load(args.model_path, args.ea_model_path, dtype=args.dtype, require_head=True, progress=False,
+                 cpu_prepack=args.cpu_prepack)
     return model, read_questions(questions_path(args.question_file, args.bench))[:args.questions]

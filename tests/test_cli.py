@@ -127,6 +127,7 @@ BAD_NUMBERS = [
     (["--baseline", "--dropmatch-k", "5"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
     (["--baseline", "--dropmatch-rule", "topk"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
     (["--threads", "-2"], "threads must be >= 1, got -2"),
+    (["--cpu-prepack", "on", "--dtype", "float32"], "cpu-prepack on packs bf16 weights on the CPU"),
     (["--device", "tpu"], "unknown device 'tpu': use cpu, cuda, cuda:N or auto"),
     (["--conv-template", "no-such-template"], "unknown fschat conversation template 'no-such-template'"),
     (["--bench", "nope"], "unknown bench 'nope'; choose one of mt_bench"),  # even beside a --question-file
