@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     result = {"bench": args.bench, "questions": len(questions), "turns": args.turns, "threads": torch.get_num_threads(),
               "variants": {n: " ".join(shlex.quote(x) for x in args.variant[i].partition("=")[2:])
                            for i, n in enumerate(names)},
+              "prepacked_linears": {n: models[n].prepacked for n in names},
               "table": table, f"identical_to_{names[0]}": identical,
               "answer_files": {n: str(out_dir / f"{n}.jsonl") for n in names}}
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -206,8 +207,9 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     dtypes = sorted({v.dtype for v in variants.values()})
+    packed = sorted({f"{v.cpu_prepack}: {models[name].prepacked}" for name, v in variants.items()})
     print(f"{args.bench or qfile}: {len(questions)} questions x {args.turns} turn(s), {'/'.join(dtypes)}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, linear layers prepacked ({', '.join(packed)})")
     print(f"{'variant':24s}{'tokens':>8s}{'tok/s':>8s}{'speedup':>9s}{'med q':>7s}{'tau':>7s}{'exact tau':>10s}"
           f"{'tau/prev':>9s}{'tok/s/prev':>11s}{'agree':>7s}{'identical':>10s}")
     for name in names:

@@ -233,13 +233,14 @@ def main(argv=None) -> int:
     costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [5, 10, 20, 30])
     flips = rescale_flip_share(model, prompts)
     forward = forward_costs(model, prompts[0])
-    result = {"settings": vars(args), "per_round_ms": table, "lm_head": costs, "rescale_flips": flips,
-              "target_forward_ms": forward}
+    result = {"settings": vars(args), "prepacked_linears": model.prepacked, "per_round_ms": table,
+              "lm_head": costs, "rescale_flips": flips, "target_forward_ms": forward}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print_report(table, costs, f"per verification round, median over {len(questions)} questions ({args.dtype}, "
-                 f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads):")
+                 f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads, "
+                 f"{model.prepacked} linear layers prepacked):")
     for name, row in table.items():
         if "same_tokens_as_all_rows" in row:
             print(f"{name}: the same tokens as all rows on {row['same_tokens_as_all_rows']}/{len(questions)} "

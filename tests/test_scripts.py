@@ -257,6 +257,33 @@ def test_bench_methods_compares_two_dtypes_side_by_side(tiny_model_dir, tmp_path
         assert side_by_side == [json.loads(line)["choices"][0]["turns"][:1] for line in alone.open()]  # turn 1
 
 
+def test_bench_methods_compares_prepacked_and_stock_layers_side_by_side(tiny_model_dir, tmp_path, capsys):
+    """Variants that differ in --cpu-prepack get a target each; the prepacked one runs PrepackedLinear
+    layers, the stock one nn.Linear, and both write the same answers."""
+    import torch.nn as nn
+    from eagle_dropmatch.cpu_linear import PrepackedLinear, prepack_available
+    if not prepack_available():
+        pytest.skip("this torch build lacks the oneDNN linear ops")
+    questions = str(tiny_model_dir / "questions.jsonl")
+    common = (f"--model-path {tiny_model_dir / 'target'} --ea-model-path {tiny_model_dir / 'head'} "
+              "--max-new-tokens 12 --total-token 4 --depth 2 --top-k 2 --dtype bfloat16")
+    kinds = {"packed": "--cpu-prepack on", "stock": "--cpu-prepack off"}
+    rc = _script("bench_methods").main(
+        ["--question-file", questions, "--out-dir", str(tmp_path / "bench"), "--common", common, "--json",
+         *[f"--variant={name}={flags}" for name, flags in kinds.items()]])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prepacked_linears"]["stock"] == 0 < report["prepacked_linears"]["packed"]
+    module = _script("bench_methods")
+    models = module.models_by_variant(module.parse_variants(
+        [f"{name}={flags}" for name, flags in kinds.items()], [*common.split(), "--question-file", questions]))
+    assert models["packed"].target is not models["stock"].target
+    assert type(models["packed"].target.lm_head) is PrepackedLinear and type(models["stock"].target.lm_head) is nn.Linear
+    answers = {name: [json.loads(line)["choices"][0]["token_ids"] for line in (tmp_path / "bench" / f"{name}.jsonl").open()]
+               for name in kinds}
+    assert answers["packed"] == answers["stock"] and len(answers["stock"]) == 3
+
+
 def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_path, capsys):
     """The sweep answers both benches (GSM8K at its own length) and scores every row against lossless
     EAGLE-3, plain decoding included (the measures' noise floor, nil in fp32); no setting here is called
