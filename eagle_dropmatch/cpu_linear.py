@@ -10,8 +10,9 @@ random rows) before it swaps anything, and keeps the stock layer where they diff
 
 ``PrepackedLinear`` keeps the module's ``weight`` and ``bias`` parameters (so tied embeddings, state dicts and
 every ``.weight`` reader see the same tensors) and holds the packed copy beside them: the weights' memory is
-held twice. The packed copy is made once, so it is for frozen models (decoding); with gradients enabled, or
-an input that is not bf16 on the CPU, the layer runs the stock ``F.linear``.
+held twice. It is for frozen models (decoding): a weight changed after packing is packed again at the next
+call; with gradients enabled, or an input or weight that is not bf16 on the CPU, the layer runs the stock
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def prepack_wanted(mode: str, dtype: torch.dtype, device: str) -> bool:
 class PrepackedLinear(nn.Module):
     """An ``nn.Linear`` whose bf16 weight oneDNN reordered once.
 
+    The packed copy is remade when the weight changes after packing (an in-place update or a new tensor:
+    its version counter or storage moved), so the layer never computes with a stale copy, and it is left out
+    of copies and pickles (a copy packs again on its first call).
+
     Args:
         linear: the layer to wrap; its ``weight`` [out, in] and ``bias`` [out] or None are shared, not copied.
         rows_hint: the row count oneDNN packs for (the engine's calls are 1 to a few dozen rows).
@@ -68,21 +73,35 @@ class PrepackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rows_hint: int = 8):
         super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
+        self.register_parameter("weight", linear.weight)
+        self.register_parameter("bias", linear.bias)  # None too, as nn.Linear does: forward reads both there
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.rows_hint = rows_hint
+        self.packed, self.packed_from = None, None
+        self.pack()
+
+    def pack(self) -> None:
+        """(Re)make the packed copy of the current weight; ``packed_from`` records which (version, storage)."""
+        weight = self.weight
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows_hint)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.rows_hint)
+        self.packed_from = (weight._version, weight.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., in] -> [..., out], as ``F.linear(x, weight, bias)``."""
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or (torch.is_grad_enabled() and (
-                x.requires_grad or self.weight.requires_grad)):
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        bias = None if self.bias is None else self.bias.detach()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        """[..., in] -> [..., out], as ``F.linear(x, weight, bias)``. Runs once per layer per forward, so it
+        reads its parameters from ``_parameters`` (not through ``nn.Module.__getattr__``) and hands oneDNN the
+        input as it is (the op takes any leading dimensions)."""
+        weight, bias = self._parameters["weight"], self._parameters["bias"]
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu" or (
+                torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (bias is not None and bias.requires_grad))):
+            return F.linear(x, weight, bias)
+        if self.packed_from != (weight._version, weight.data_ptr()):  # changed since packing (or a copy)
+            self.pack()
+        return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, bias, "none", [], "")
+
+    def __getstate__(self):
+        return {**self.__dict__, "packed": None, "packed_from": None}  # an opaque oneDNN tensor cannot be copied
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -48,6 +48,32 @@ def test_a_prepacked_linear_off_its_path_runs_the_stock_layer():
 
 
 @needs_ops
+def test_a_weight_changed_after_packing_is_packed_again():
+    linear = bf16_linear(48, 40, True)
+    packed = PrepackedLinear(linear)
+    x = torch.randn(4, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        before = packed(x)
+        linear.weight.mul_(-2)  # in place: the version counter moves
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)) and not torch.equal(packed(x), before)
+        linear.weight.data = torch.randn(40, 48).to(torch.bfloat16)  # a new storage
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+        linear.bias.add_(1)  # the bias is read at every call
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+@needs_ops
+def test_a_prepacked_linear_survives_a_deep_copy_and_a_pickle(tmp_path):
+    import copy
+    packed = PrepackedLinear(bf16_linear(48, 40, False))
+    x = torch.randn(3, 48).to(torch.bfloat16)
+    torch.save(packed, tmp_path / "layer.pt")
+    with torch.no_grad():
+        for other in (copy.deepcopy(packed), torch.load(tmp_path / "layer.pt", weights_only=False)):
+            assert other.weight is not packed.weight and torch.equal(other(x), packed(x))
+
+
+@needs_ops
 def test_prepacking_a_target_keeps_its_parameters_tied_and_named():
     target = tiny_target()
     target.config.tie_word_embeddings = True
