@@ -4,7 +4,7 @@ A bf16 ``nn.Linear`` on a CPU hands oneDNN its weight in the plain [out, in] lay
 once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and passed to
 ``torch.ops.mkldnn._linear_pointwise`` (the pair torch's own CPU compiler emits for frozen linears), the
 weight of SmolLM2-135M's LM head (49152 x 576) serves 1 or 8 rows in 1.2-1.3 ms instead of 1.8-2.3 ms on an
-AVX512-BF16 CPU, and the small projections of every layer gain 25-45% the same way. The outputs are the
+AVX512-BF16 CPU, and the small projections of every layer gain 23-45% the same way. The outputs are the
 same oneDNN arithmetic: ``prepack_linears`` checks each layer shape bit for bit against ``F.linear`` (on
 random rows) before it swaps anything, and keeps the stock layer where they differ.
 

@@ -6,9 +6,8 @@
 
 Every variant is a set of `python -m eagle_dropmatch.gen` flags. Each target is loaded once: variants that
 differ in a load flag (`--dtype`, `--model-path`, `--device`, `--draft-model-path`, `--cpu-prepack`) get a
-target each, and
-variants may name different heads (`--ea-model-path`), which are loaded beside their target, so two heads or
-two dtypes are compared side by side.
+target each, and variants may name different heads (`--ea-model-path`), which are loaded beside their
+target, so two heads, two dtypes or two kernel choices are compared side by side.
 Questions are answered variant after variant for each question in turn (so machine noise hits all variants
 alike), with one warm-up per variant. Each variant's answers are written in gen's format (answer file plus
 meta) under --out-dir, so `python -m evaluation.speed|quality|gsm8k` read them. Prints tokens/s, tau, the exact-match
