@@ -47,16 +47,16 @@ def prepack_wanted(mode: str, dtype: torch.dtype, device: str) -> bool:
     """
     if mode not in PREPACK_MODES:
         raise ValueError(f"cpu-prepack must be one of {', '.join(PREPACK_MODES)}, got {mode!r}")
-    applies = dtype == torch.bfloat16 and str(device) == "cpu"
+    if mode == "off":
+        return False
+    applies, available = dtype == torch.bfloat16 and str(device) == "cpu", prepack_available()
     if mode == "on" and not applies:
         raise ValueError("cpu-prepack on packs bf16 weights on the CPU: use --dtype bfloat16 --device cpu, "
                          "or --cpu-prepack auto/off")
-    if mode == "on" and not prepack_available():
+    if mode == "on" and not available:
         raise ValueError("cpu-prepack on needs torch's oneDNN linear ops, which this torch build lacks: use "
                          "--cpu-prepack off")
-    if mode == "off" or not applies or not prepack_available():
-        return False
-    return mode == "on" or native_bf16()
+    return applies and available and (mode == "on" or native_bf16())
 
 
 class PrepackedLinear(nn.Module):
@@ -129,7 +129,8 @@ def prepack_linears(model: nn.Module) -> int:
     swapped, verdicts = 0, {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.bfloat16 or child.weight.device.type != "cpu":
+            weight = getattr(child, "weight", None)
+            if type(child) is not nn.Linear or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
                 continue
             packed = PrepackedLinear(child)
             shape = (child.in_features, child.out_features, child.bias is not None)

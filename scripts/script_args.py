@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from eagle_dropmatch.cpu_linear import PREPACK_MODES
 from eagle_dropmatch.loading import load
 from eagle_dropmatch.resources import questions_path, read_questions
 
@@ -25,7 +26,7 @@ def add_model_and_question_args(p: argparse.ArgumentParser, questions: int, max_
     p.add_argument("--question-file", help="questions (FastChat jsonl) instead of --bench's")
     p.add_argument("--questions", type=positive_int, default=questions)
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
-    p.add_argument("--cpu-prepack", default="auto", choices=["auto", "on", "off"],
+    p.add_argument("--cpu-prepack", default="auto", choices=PREPACK_MODES,
                    help="as gen's: bf16 linear layers on weights oneDNN reordered once")
 
 

@@ -115,6 +115,9 @@ def test_prepack_wanted_by_mode(monkeypatch):
             prepack_wanted("on", dtype, device)
     with pytest.raises(ValueError, match="cpu-prepack must be one of auto, on, off"):
         prepack_wanted("always", torch.bfloat16, "cpu")
+    from eagle_dropmatch import gen
+    choices = next(a.choices for a in gen.build_parser()._actions if a.dest == "cpu_prepack")
+    assert tuple(choices) == cpu_linear.PREPACK_MODES  # gen spells them out so that parsing imports no torch
     monkeypatch.setattr(cpu_linear, "prepack_available", lambda: False)
     assert not prepack_wanted("auto", torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="lacks"):
