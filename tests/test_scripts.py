@@ -35,7 +35,9 @@ def test_bench_device_smoke(capsys):
     shortlisted = table["dropmatch K=5 p=0.3 M=256"]
     assert shortlisted["sample_rows"] > 0 and shortlisted["dropmatch"] > 0
     assert table["eagle3"]["dropmatch"] == 0 and table["eagle3"]["dropmatch_cost_ms"] == 0
-    assert isinstance(report["trees"]["4/2/2"]["lm_head"]["stacked_rows_identical"], bool)  # a property of the BLAS
+    same = report["trees"]["4/2/2"]["lm_head"]["stacked_rows_identical"]  # per extra rows; a property of the BLAS
+    assert set(same) == set(report["trees"]["4/2/2"]["lm_head"]["stacked_ms"])
+    assert all(isinstance(v, bool) for v in same.values())
 
 
 def test_bench_device_without_cuda_is_one_line(capsys, monkeypatch):
@@ -352,7 +354,7 @@ def test_bench_round_table_columns_fit_the_longest_variant_name(capsys):
            "round_vs_eagle3": 1.1, "tau": 2.5, "tok_s": 40.0, "sample_rows": 3.0}
     table = {"eagle3": row, "dropmatch K=5 p=0.3 prot=0": row, "dropmatch K=5 p=auto:0.1 prot=auto M=256": row}
     costs = {"rows": 8, "alone_ms": 1.0, "stacked_ms": {5: 1.0}, "second_matmul_ms": {5: 1.0},
-             "stacked_rows_identical": True, "argmax_ms": {8: {"max": 0.1, "first_argmax": 0.1}}}
+             "stacked_rows_identical": {5: False}, "argmax_ms": {8: {"max": 0.1, "first_argmax": 0.1}}}
     module.print_report(table, costs, "title")
     lines = capsys.readouterr().out.splitlines()[1:5]
     assert len({len(line) for line in lines}) == 1, lines  # header and every row end in the same column
