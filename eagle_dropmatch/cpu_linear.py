@@ -129,8 +129,9 @@ def prepack_linears(model: nn.Module) -> int:
     swapped, verdicts = 0, {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            weight = getattr(child, "weight", None)
-            if type(child) is not nn.Linear or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            if type(child) is not nn.Linear:
+                continue
+            if child.weight.dtype != torch.bfloat16 or child.weight.device.type != "cpu":
                 continue
             packed = PrepackedLinear(child)
             shape = (child.in_features, child.out_features, child.bias is not None)

@@ -62,10 +62,9 @@ def median_ms(fn, device: torch.device, repeats: int = 40) -> float:
 @torch.no_grad()
 def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
     """The LM head alone: ``nodes`` rows, plus extra rows in the same matmul or in a second one; whether
-    the stacked product returns the first rows bit for bit, per number of extra rows (oneDNN picks its kernel
-    by the row count: on an AMX Xeon bf16 rows stay identical up to 29 rows in all and change from 38); and
-    the argmax of its logits with
-    ``max(dim=-1).indices`` against the engine's ``first_argmax`` (same result, checked)."""
+    the stacked product returns the first rows bit for bit, per number of extra rows (the BLAS may pick
+    another kernel as the row count grows); and the argmax of its logits with ``max(dim=-1).indices``
+    against the engine's ``first_argmax`` (same result, checked)."""
     weight, dev = lm_head.weight, lm_head.weight.device
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(nodes + max(extra_rows), weight.shape[1], generator=gen, device=dev).to(weight.dtype)
