@@ -110,15 +110,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """Normalised in fp32, rounded to the input's dtype, then scaled (the Llama form; one fused op for
+        the fp32 part, which gives the same values as x * rsqrt(mean(x^2) + eps))."""
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE: x * cos + cat(-x2, x1) * sin (x1, x2 the halves of x), written as roll(x) * cat(-sin, sin): the
+    same products (negation is exact), two ops fewer.
+
+    Args:
+        x: [B, heads, S, hd]; cos, signed_sin: [B, 1, S, hd] from ``DraftAttention.rope_tables``.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class DraftCache:
@@ -158,12 +162,12 @@ class DraftAttention(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        # x: [B, heads, S, hd]; position_ids: [B, S]
+    def rope_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and cat(-sin, sin) of the RoPE angles, [B, 1, S, hd] in ``dtype``, for ``apply_rope`` (computed
+        once per step for queries and keys). position_ids: [B, S]."""
         freqs = position_ids[:, None, :, None].float() * self.inv_freq  # [B, 1, S, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (x * emb.cos().to(x.dtype)) + (rotate_half(x) * emb.sin().to(x.dtype))
-
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: DraftCache,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x: [B, S, 2H]; mask: bool [B, 1, S, T_after_append] (True = attend) or None = causal."""
@@ -172,7 +176,8 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(b, s, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        q, k = self.rope(q, position_ids), self.rope(k, position_ids)
+        cos, signed_sin = self.rope_tables(position_ids, q.dtype)
+        q, k = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin)
         k, v = cache.append(k, v)
         if mask is None:  # causal over the cache: query i sees everything up to its own slot
             t = k.shape[2]

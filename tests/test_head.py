@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_dropmatch.head import (DraftCache, HeadError, check_aux_layer_ids, default_aux_layer_ids,
-                                  load_head, save_head)
+from eagle_dropmatch.head import (DraftAttention, DraftCache, HeadConfig, HeadError, RMSNorm, apply_rope,
+                                  check_aux_layer_ids, default_aux_layer_ids, load_head, save_head)
 from eagle_dropmatch.loading import LoadError, attach_head
 from eagle_dropmatch.tree import DraftTree, draft_tree, select_tree
 
@@ -163,3 +163,32 @@ def test_draft_tree_shape_and_restores_the_cache(target, shape):
     assert torch.isin(tree.tokens[1:], head.to_target_ids(torch.arange(40))).all()
     rebuilt = DraftTree.from_parents(tree.tokens, tree.parents)
     assert torch.equal(rebuilt.ancestors, tree.ancestors) and torch.equal(rebuilt.depths, tree.depths)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_llama_formula_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+    x = (torch.randn(3, 5, 64, generator=gen) * torch.tensor([0.01, 1.0, 40.0])[:, None, None]).to(dtype)
+    xf = x.float()
+    reference = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(norm(x), reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_the_rotate_half_formula_bit_for_bit(dtype):
+    cfg = HeadConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=50, draft_vocab_size=50)
+    attn = DraftAttention(cfg)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4, 6, 16, generator=gen).to(dtype)  # [B, heads, S, hd]
+    positions = torch.tensor([[0, 3, 17, 250, 4095, 70000]])
+    cos, signed_sin = attn.rope_tables(positions, dtype)
+    angles = positions[:, None, :, None].float() * attn.inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    halves = x.chunk(2, dim=-1)
+    rotated = torch.cat((-halves[1], halves[0]), dim=-1)
+    reference = x * angles.cos().to(dtype) + rotated * angles.sin().to(dtype)
+    assert torch.equal(apply_rope(x, cos, signed_sin), reference)
