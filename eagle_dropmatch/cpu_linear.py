@@ -1,66 +1,117 @@
-"""Linear layers with prepacked oneDNN weights, for bf16 decoding on a CPU.
+"""Linear layers on weights packed once, for bf16 decoding on a CPU.
 
-A bf16 ``nn.Linear`` on a CPU hands oneDNN its weight in the plain [out, in] layout at every call. Reordered
-once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and passed to
-``torch.ops.mkldnn._linear_pointwise`` (the pair torch's own CPU compiler emits for frozen linears), the
-weight of SmolLM2-135M's LM head (49152 x 576) serves 1 or 8 rows in 1.2-1.3 ms instead of 1.8-2.3 ms on an
-AVX512-BF16 CPU, and the small projections of every layer gain 23-45% the same way. The outputs are the
-same oneDNN arithmetic: ``prepack_linears`` checks each layer shape bit for bit against ``F.linear`` (on
-random rows) before it swaps anything, and keeps the stock layer where they differ.
+A bf16 ``nn.Linear`` on a CPU hands its weight in the plain [out, in] layout to a bf16 product at every call.
+``load`` packs each weight once instead, with the kernel that suits the CPU (``packing_kernel``):
+
+- ``"onednn"``, on a CPU with native bf16 (AVX512-BF16 or AMX): the weight reordered into oneDNN's blocked
+  layout (``torch.ops.mkldnn._reorder_linear_weight``) and applied with ``torch.ops.mkldnn._linear_pointwise``
+  (the pair torch's own CPU compiler emits for frozen linears). The same oneDNN arithmetic as the stock
+  layer, bit for bit, faster: SmolLM2-135M's LM head (49152 x 576) serves 1 or 8 rows in 1.2-1.3 ms
+  instead of 1.8-2.3 ms on an AVX512-BF16 CPU, and the small projections of every layer gain 23-45%.
+- ``"fp16"``, on a CPU without native bf16 (AVX2 only: most laptops' Intel cores, AMD before Zen 4), where
+  torch computes a bf16 product of more than one row element by element and oneDNN refuses to pack bf16: the
+  weight is packed as fp16 for fbgemm (``torch.ops.aten.fbgemm_pack_gemm_matrix_fp16``) and applied with
+  ``fbgemm_linear_fp16_weight``, which reads the fp16 weight (as many bytes as bf16) and multiplies and adds
+  in fp32. A target's layer is packed only where every bf16 value of its weight is exactly an fp16 value
+  (SmolLM2's all are), so the products are the model's own; the sums run in another order than the stock
+  kernel's, so an output may differ from the stock layer's by a bf16 rounding step. On a 2-core AVX2 Zen 3 a tree of 8 rows
+  through SmolLM2's LM head takes about 10 ms instead of 27 (README, "On a CPU without native bf16").
 
 ``PrepackedLinear`` keeps the module's ``weight`` and ``bias`` parameters (so tied embeddings, state dicts and
 every ``.weight`` reader see the same tensors) and holds the packed copy beside them: the weights' memory is
 held twice. It is for frozen models (decoding): a weight changed after packing is packed again at the next
 call; with gradients enabled, or an input or weight that is not bf16 on the CPU, the layer runs the stock
-``F.linear``.
+``F.linear``. ``prepack_linears`` checks each layer shape against its reference on random rows
+(``packed_matches``) before it swaps anything, and keeps the stock layer where they differ.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 PREPACK_MODES = ("auto", "on", "off")
+KERNELS = ("onednn", "fp16")
 
 
-def prepack_available() -> bool:
-    """Whether this torch build has the oneDNN ops that pack and apply a linear weight."""
+def onednn_packs_bf16() -> bool:
+    """Whether this torch build has oneDNN's linear ops and they pack a bf16 weight on this CPU (oneDNN
+    refuses without AVX512 or AVX-NE-CONVERT)."""
     mkldnn = getattr(torch.ops, "mkldnn", None)
-    return bool(torch.backends.mkldnn.is_available() and mkldnn is not None
-                and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise"))
+    if not (torch.backends.mkldnn.is_available() and mkldnn is not None
+            and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), 8)
+    except RuntimeError:
+        return False
+    return True
+
+
+def fbgemm_fp16_works() -> bool:
+    """Whether this torch build has fbgemm's fp16-weight linear ops and they run on this CPU."""
+    aten = torch.ops.aten
+    if not (hasattr(aten, "fbgemm_pack_gemm_matrix_fp16") and hasattr(aten, "fbgemm_linear_fp16_weight")):
+        return False
+    try:
+        packed = aten.fbgemm_pack_gemm_matrix_fp16(torch.ones(8, 8))
+        return bool(torch.equal(aten.fbgemm_linear_fp16_weight(torch.ones(1, 8), packed, torch.zeros(8)),
+                                torch.full((1, 8), 8.0)))
+    except RuntimeError:
+        return False
 
 
 def native_bf16() -> bool:
-    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX): where packing was measured to pay."""
+    """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX)."""
     checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(check is not None and check() for check in checks)
 
 
+@functools.cache
+def packing_kernel() -> str | None:
+    """The kernel that serves packed bf16 weights on this CPU: "onednn" where the CPU has native bf16 and
+    oneDNN packs bf16, else "fp16" where fbgemm's fp16-weight product runs, else None. (A fact of the
+    machine and the torch build, probed once per process.)"""
+    if native_bf16() and onednn_packs_bf16():
+        return "onednn"
+    if fbgemm_fp16_works():
+        return "fp16"
+    return None
+
+
+def prepack_available() -> bool:
+    """Whether some packed kernel serves bf16 weights on this CPU with this torch build."""
+    return packing_kernel() is not None
+
+
 def prepack_wanted(mode: str, dtype: torch.dtype, device: str) -> bool:
-    """Whether ``load`` packs the linear layers: "on" for any bf16 model on the CPU, "auto" there too when
-    the CPU has native bf16 (elsewhere oneDNN emulates bf16 and packing is unmeasured), "off" never.
+    """Whether ``load`` packs the linear layers: for a bf16 model on the CPU with "auto" or "on" (with the
+    kernel ``packing_kernel`` picks), never with "off".
 
     Raises:
-        ValueError: an unknown mode, or "on" where it cannot apply (another dtype or device, or a torch
-            build without the oneDNN ops).
+        ValueError: an unknown mode, or "on" where it cannot apply (another dtype or device, or no kernel
+            for this CPU and torch build).
     """
     if mode not in PREPACK_MODES:
         raise ValueError(f"cpu-prepack must be one of {', '.join(PREPACK_MODES)}, got {mode!r}")
     if mode == "off":
         return False
-    applies, available = dtype == torch.bfloat16 and str(device) == "cpu", prepack_available()
+    applies = dtype == torch.bfloat16 and str(device) == "cpu"
     if mode == "on" and not applies:
         raise ValueError("cpu-prepack on packs bf16 weights on the CPU: use --dtype bfloat16 --device cpu, "
                          "or --cpu-prepack auto/off")
+    available = applies and prepack_available()
     if mode == "on" and not available:
-        raise ValueError("cpu-prepack on needs torch's oneDNN linear ops, which this torch build lacks: use "
-                         "--cpu-prepack off")
-    return applies and available and (mode == "on" or native_bf16())
+        raise ValueError("cpu-prepack on needs oneDNN's bf16 linear ops or fbgemm's fp16 ones, which this CPU "
+                         "or torch build lacks: use --cpu-prepack off")
+    return available
 
 
 class PrepackedLinear(nn.Module):
-    """An ``nn.Linear`` whose bf16 weight oneDNN reordered once.
+    """An ``nn.Linear`` whose bf16 weight was packed once for a CPU kernel.
 
     The packed copy is remade when the weight changes after packing (an in-place update or a new tensor:
     its version counter or storage moved), so the layer never computes with a stale copy, and it is left out
@@ -68,29 +119,36 @@ class PrepackedLinear(nn.Module):
 
     Args:
         linear: the layer to wrap; its ``weight`` [out, in] and ``bias`` [out] or None are shared, not copied.
+        kernel: "onednn" (bf16 weight reordered by oneDNN, bit for bit the stock output) or "fp16" (fp16
+            weight for fbgemm, fp32 arithmetic, the output rounded to bf16); see the module docstring.
         rows_hint: the row count oneDNN packs for (the engine's calls are 1 to a few dozen rows).
     """
 
-    def __init__(self, linear: nn.Linear, rows_hint: int = 8):
+    def __init__(self, linear: nn.Linear, kernel: str = "onednn", rows_hint: int = 8):
         super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         self.register_parameter("weight", linear.weight)
         self.register_parameter("bias", linear.bias)  # None too, as nn.Linear does: forward reads both there
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.rows_hint = rows_hint
+        self.kernel, self.rows_hint = kernel, rows_hint
         self.packed, self.packed_from = None, None
         self.pack()
 
     def pack(self) -> None:
         """(Re)make the packed copy of the current weight; ``packed_from`` records which (version, storage)."""
-        weight = self.weight
+        weight = self.weight.detach()
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.rows_hint)
-        self.packed_from = (weight._version, weight.data_ptr())
+            if self.kernel == "onednn":
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+            else:
+                self.packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight.float())
+        self.packed_from = (self.weight._version, self.weight.data_ptr())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out], as ``F.linear(x, weight, bias)``. Runs once per layer per forward, so it
-        reads its parameters from ``_parameters`` (not through ``nn.Module.__getattr__``) and hands oneDNN the
-        input as it is (the op takes any leading dimensions)."""
+        reads its parameters from ``_parameters`` (not through ``nn.Module.__getattr__``) and hands the kernel
+        the input as it is (oneDNN takes any leading dimensions; fbgemm gets it as rows)."""
         weight, bias = self._parameters["weight"], self._parameters["bias"]
         if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu" or (
                 torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -98,33 +156,72 @@ class PrepackedLinear(nn.Module):
             return F.linear(x, weight, bias)
         if self.packed_from != (weight._version, weight.data_ptr()):  # changed since packing (or a copy)
             self.pack()
-        return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, bias, "none", [], "")
+        if self.kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1]).float()  # fbgemm takes 2-D and up, the engine also passes [in]
+        out = torch.ops.aten.fbgemm_linear_fp16_weight(rows, self.packed, None if bias is None else bias.float())
+        return out.to(torch.bfloat16).reshape(*x.shape[:-1], self.out_features)
 
     def __getstate__(self):
-        return {**self.__dict__, "packed": None, "packed_from": None}  # an opaque oneDNN tensor cannot be copied
+        return {**self.__dict__, "packed": None, "packed_from": None}  # an opaque packed tensor cannot be copied
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernel={self.kernel}")
+
+
+def fp16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of a bf16 weight is exactly an fp16 value (the "fp16" kernel computes with it)."""
+    weight = weight.detach()
+    return bool(torch.equal(weight.half().to(weight.dtype), weight))
 
 
 def packed_matches(linear: nn.Linear, packed: PrepackedLinear, rows: tuple[int, ...] = (1, 8, 29)) -> bool:
-    """Whether the packed layer returns ``F.linear``'s output bit for bit on random bf16 rows."""
+    """Whether the packed layer computes what it stands for, on random bf16 rows.
+
+    "onednn": ``F.linear``'s output bit for bit. "fp16": every output within what summing in another order
+    can move it from the same product in fp32 with the weight the kernel holds (its fp16 values): twice the
+    bound on fp32 summation error (in_features x 2^-24 x the sum of |x w| over the row) plus one bf16
+    rounding step.
+    """
     generator = torch.Generator().manual_seed(0)
+    weight = linear.weight.detach().float()
+    if packed.kernel == "fp16":
+        weight = linear.weight.detach().half().float()
     with torch.no_grad():
         for n in rows:
             x = torch.randn(n, linear.in_features, generator=generator).to(torch.bfloat16)
-            if not torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)):
+            out = packed(x)
+            if packed.kernel == "onednn":
+                if not torch.equal(out, F.linear(x, linear.weight, linear.bias)):
+                    return False
+                continue
+            bias = None if linear.bias is None else linear.bias.float()
+            reference = F.linear(x.float(), weight, bias)
+            magnitude = F.linear(x.float().abs(), weight.abs())
+            bound = (2 * linear.in_features * 2.0 ** -24 * magnitude
+                     + reference.abs() * 2.0 ** -7 + torch.finfo(torch.bfloat16).tiny)
+            if not bool(((out.float() - reference).abs() <= bound).all()):
                 return False
     return True
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, kernel: str | None = None, exact: bool = True) -> int:
     """Swap every bf16 CPU ``nn.Linear`` in ``model`` for a ``PrepackedLinear``, in place.
 
+    Args:
+        model: the module whose layers are swapped.
+        kernel: "onednn" or "fp16"; None = ``packing_kernel()`` (no kernel here: nothing is swapped).
+        exact: under "fp16", pack only weights whose every value is an fp16 value (``fp16_exact``), so that
+            the layer computes with the model's own weights: what a target needs. A drafter only proposes
+            tokens the target then verifies, so its weights may round (a trained head's values below 6e-5
+            lose bits as fp16 subnormals): ``exact=False``.
+
     Each distinct (in, out, bias) shape is checked once (``packed_matches``); a shape whose packed output
-    differs from ``F.linear``'s keeps its stock layers. Returns the number of layers swapped.
+    differs keeps its stock layers. Returns the number of layers swapped.
     """
-    if not prepack_available():
+    kernel = kernel or packing_kernel()
+    if kernel is None:
         return 0
     swapped, verdicts = 0, {}
     for parent in list(model.modules()):
@@ -133,7 +230,9 @@ def prepack_linears(model: nn.Module) -> int:
                 continue
             if child.weight.dtype != torch.bfloat16 or child.weight.device.type != "cpu":
                 continue
-            packed = PrepackedLinear(child)
+            if kernel == "fp16" and exact and not fp16_exact(child.weight):
+                continue
+            packed = PrepackedLinear(child, kernel)
             shape = (child.in_features, child.out_features, child.bias is not None)
             if shape not in verdicts:
                 verdicts[shape] = packed_matches(child, packed)

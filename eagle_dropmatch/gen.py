@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup", type=int, default=1, help="warm-up generations before timing (not recorded)")
     a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     a("--cpu-prepack", default="auto", choices=["auto", "on", "off"],  # cpu_linear.PREPACK_MODES; no torch here
-      help="bf16 linear layers on the CPU run on weights oneDNN reordered once: the same outputs, faster, the "
-           "weights held twice (auto: on a CPU with native bf16; off: stock layers)")
+      help="bf16 linear layers on the CPU run on weights packed once (oneDNN's bf16 layout on a CPU with native "
+           "bf16: the same outputs; fbgemm's fp16 weights with fp32 arithmetic elsewhere: the same products, "
+           "summed in another order), faster, the weights held twice (auto, on: pack; off: stock layers)")
     a("--no-progress", action="store_true", help="no progress bar")
     return p
 

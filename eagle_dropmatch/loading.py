@@ -146,7 +146,7 @@ class EagleModel:
         head: the EAGLE-3 head, or None.
         decoder: the engine over ``target``.
         draft: a draft causal LM sharing the tokenizer, or None.
-        prepacked: how many linear layers run on prepacked oneDNN weights (``cpu_linear``; 0 = none).
+        prepacked: how many linear layers run on packed weights (``cpu_linear``; 0 = none).
     """
 
     target: object
@@ -161,7 +161,7 @@ class EagleModel:
         compare two heads side by side in one process. The head is checked against the target as ``load``
         checks it and takes the target's dtype."""
         head, aux = attach_head(self.target, ea_model_path, self.target.get_output_embeddings().weight.dtype)
-        prepacked = self.prepacked + (prepack_linears(head) if self.prepacked else 0)
+        prepacked = self.prepacked + (prepack_linears(head, exact=False) if self.prepacked else 0)
         decoder = SpeculativeDecoder(self.target, aux, self.decoder.eos_token_ids)
         return replace(self, head=head, decoder=decoder, prepacked=prepacked)
 
@@ -339,8 +339,10 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
         require_head: raise when no head can be found.
         progress: print progress when the embedded default is converted the first time.
         cpu_prepack: "auto", "on" or "off": run the bf16 linear layers of the target, head and draft model
-            on weights oneDNN reordered once (``cpu_linear``; the same outputs, faster on a CPU, the
-            weights held twice). "auto" packs on a CPU with native bf16; "on" on any CPU.
+            on weights packed once for the CPU's kernel (``cpu_linear``: oneDNN's bf16 layout where the CPU
+            has native bf16, the same outputs; fbgemm's fp16 weights with fp32 arithmetic elsewhere; faster,
+            the weights held twice). "auto" packs where a kernel exists and stays stock elsewhere; "on"
+            refuses where none does.
     """
     torch_dtype = resolve_dtype(dtype)
     check_device(device)
@@ -376,7 +378,8 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_tokenizers(tokenizer, draft_tokenizer)
         except DraftModelError as exc:
             raise LoadError(str(exc)) from None
-    prepacked = sum(prepack_linears(module) for module in (target, head, draft) if module is not None) if pack else 0
+    prepacked = (prepack_linears(target) + sum(prepack_linears(module, exact=False) for module in (head, draft)
+                                              if module is not None)) if pack else 0
     try:
         decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
         probe_plain_decoding(decoder)

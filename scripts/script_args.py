@@ -27,7 +27,7 @@ def add_model_and_question_args(p: argparse.ArgumentParser, questions: int, max_
     p.add_argument("--questions", type=positive_int, default=questions)
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
     p.add_argument("--cpu-prepack", default="auto", choices=PREPACK_MODES,
-                   help="as gen's: bf16 linear layers on weights oneDNN reordered once")
+                   help="as gen's: bf16 linear layers on weights packed once for the CPU's kernel")
 
 
 def load_model_and_questions(args: argparse.Namespace):

@@ -1,4 +1,5 @@
-"""Linear layers on prepacked oneDNN weights (``cpu_linear``): the stock layers' outputs, bit for bit."""
+"""Linear layers on weights packed once (``cpu_linear``): oneDNN's bf16 packing gives the stock layers' outputs
+bit for bit; fbgemm's fp16 packing (CPUs without native bf16) gives the fp32 product of the bf16 weights."""
 
 import pytest
 import torch
@@ -6,26 +7,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from eagle_dropmatch import cpu_linear
-from eagle_dropmatch.cpu_linear import PrepackedLinear, prepack_available, prepack_linears, prepack_wanted
+from eagle_dropmatch.cpu_linear import (PrepackedLinear, fbgemm_fp16_works, fp16_exact, onednn_packs_bf16,
+                                        packed_matches, prepack_linears, prepack_wanted)
 from eagle_dropmatch.loading import LoadError, load
 
 from conftest import tiny_target
 
-needs_ops = pytest.mark.skipif(not prepack_available(), reason="this torch build lacks the oneDNN linear ops")
+onednn = pytest.mark.skipif(not onednn_packs_bf16(),
+                            reason="oneDNN does not pack bf16 weights on this CPU (it needs AVX512 or AVX-NE-CONVERT)")
+fp16 = pytest.mark.skipif(not fbgemm_fp16_works(), reason="this torch build or CPU lacks fbgemm's fp16 linear ops")
+KERNELS = [pytest.param("onednn", marks=onednn), pytest.param("fp16", marks=fp16)]
 
 
 def bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0) -> nn.Linear:
+    """A random bf16 layer whose weights are all fp16 values too (as SmolLM2's are), so either kernel packs it."""
     torch.manual_seed(seed)
-    return nn.Linear(inputs, outputs, bias=bias).to(torch.bfloat16).eval()
+    linear = nn.Linear(inputs, outputs, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.half().float())
+    return linear.to(torch.bfloat16).eval()
 
 
-@needs_ops
-@pytest.mark.parametrize("inputs,outputs,bias", [(64, 96, False), (64, 96, True), (576, 1536, False),
-                                                 (96, 7, True)])
-@pytest.mark.parametrize("shape", [(1,), (8,), (29,), (2, 5)])
+SHAPES = [(64, 96, False), (64, 96, True), (576, 1536, False), (96, 7, True)]
+ROWS = [(1,), (8,), (29,), (2, 5)]
+
+
+@onednn
+@pytest.mark.parametrize("inputs,outputs,bias", SHAPES)
+@pytest.mark.parametrize("shape", ROWS)
 def test_a_prepacked_linear_gives_the_stock_output_bit_for_bit(inputs, outputs, bias, shape):
     linear = bf16_linear(inputs, outputs, bias)
-    packed = PrepackedLinear(linear)
+    packed = PrepackedLinear(linear, "onednn")
     x = torch.randn(*shape, inputs, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.no_grad():
         out = packed(x)
@@ -33,13 +45,35 @@ def test_a_prepacked_linear_gives_the_stock_output_bit_for_bit(inputs, outputs, 
         assert torch.equal(out, F.linear(x, linear.weight, linear.bias))
 
 
-@needs_ops
-def test_a_prepacked_linear_off_its_path_runs_the_stock_layer():
-    converted = PrepackedLinear(bf16_linear(32, 16, True)).float()  # e.g. model.float() after loading
+@fp16
+@pytest.mark.parametrize("inputs,outputs,bias", SHAPES)
+@pytest.mark.parametrize("shape", [*ROWS, ()])
+def test_an_fp16_packed_linear_gives_the_fp32_product_of_the_bf16_weights(inputs, outputs, bias, shape):
+    """Every product is exact in fp32 (bf16 x bf16 values), so the output is the fp32 sum rounded once to bf16,
+    up to the order of the sums: equal to that rounding almost everywhere, never off by more than a step."""
+    linear = bf16_linear(inputs, outputs, bias)
+    packed = PrepackedLinear(linear, "fp16")
+    x = torch.randn(*shape, inputs, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        out = packed(x)
+        bias32 = None if bias is False else linear.bias.float()
+        exact = F.linear(x.float(), linear.weight.float(), bias32)  # [*shape, out]
+    assert out.shape == (*shape, outputs) and out.dtype == torch.bfloat16
+    rounded = exact.to(torch.bfloat16)
+    assert (out == rounded).float().mean() >= 0.99
+    assert bool(((out.float() - exact).abs() <= exact.abs() * 2.0 ** -7 + 1e-6).all())
+    assert packed_matches(linear, packed)
+    wrong = PrepackedLinear(bf16_linear(inputs, outputs, bias, seed=1), "fp16")
+    assert not packed_matches(linear, wrong)  # the check can fail: another weight is caught
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_prepacked_linear_off_its_path_runs_the_stock_layer(kernel):
+    converted = PrepackedLinear(bf16_linear(32, 16, True), kernel).float()  # e.g. model.float() after loading
     x32 = torch.randn(3, 32)
     assert torch.equal(converted(x32), F.linear(x32, converted.weight, converted.bias))
     linear = bf16_linear(32, 16, True)
-    packed = PrepackedLinear(linear)
+    packed = PrepackedLinear(linear, kernel)
     x = torch.randn(3, 32).to(torch.bfloat16).requires_grad_()
     packed(x).float().sum().backward()  # with gradients it is F.linear, so they flow to input and weight
     reference = x.detach().clone().requires_grad_()
@@ -47,25 +81,33 @@ def test_a_prepacked_linear_off_its_path_runs_the_stock_layer():
     assert torch.equal(x.grad, reference.grad) and linear.weight.grad is not None
 
 
-@needs_ops
-def test_a_weight_changed_after_packing_is_packed_again():
+def packed_now(linear: nn.Linear, kernel: str) -> PrepackedLinear:
+    """The layer packed anew from a copy of its current parameters."""
+    copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None).to(torch.bfloat16)
+    copy.load_state_dict(linear.state_dict())
+    return PrepackedLinear(copy.requires_grad_(False), kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_weight_changed_after_packing_is_packed_again(kernel):
     linear = bf16_linear(48, 40, True)
-    packed = PrepackedLinear(linear)
+    packed = PrepackedLinear(linear, kernel)
     x = torch.randn(4, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
         before = packed(x)
         linear.weight.mul_(-2)  # in place: the version counter moves
-        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)) and not torch.equal(packed(x), before)
-        linear.weight.data = torch.randn(40, 48).to(torch.bfloat16)  # a new storage
-        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+        assert torch.equal(packed(x), packed_now(linear, kernel)(x)) and not torch.equal(packed(x), before)
+        linear.weight.data = torch.randn(40, 48).half().to(torch.bfloat16)  # a new storage
+        assert torch.equal(packed(x), packed_now(linear, kernel)(x))
         linear.bias.add_(1)  # the bias is read at every call
-        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+        assert torch.equal(packed(x), packed_now(linear, kernel)(x))
+    assert packed_matches(linear, packed)
 
 
-@needs_ops
-def test_a_prepacked_linear_survives_a_deep_copy_and_a_pickle(tmp_path):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_prepacked_linear_survives_a_deep_copy_and_a_pickle(tmp_path, kernel):
     import copy
-    packed = PrepackedLinear(bf16_linear(48, 40, False))
+    packed = PrepackedLinear(bf16_linear(48, 40, False), kernel)
     x = torch.randn(3, 48).to(torch.bfloat16)
     torch.save(packed, tmp_path / "layer.pt")
     with torch.no_grad():
@@ -73,43 +115,65 @@ def test_a_prepacked_linear_survives_a_deep_copy_and_a_pickle(tmp_path):
             assert other.weight is not packed.weight and torch.equal(other(x), packed(x))
 
 
-@needs_ops
-def test_prepacking_a_target_keeps_its_parameters_tied_and_named():
+def fp16_valued(model: nn.Module) -> nn.Module:
+    """The model with every parameter rounded through fp16, in bf16 (SmolLM2's weights are all fp16 values;
+    a random init's smallest are not)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return model.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_prepacking_a_target_keeps_its_parameters_tied_and_named(kernel):
     target = tiny_target()
     target.config.tie_word_embeddings = True
     target.lm_head.weight = target.model.embed_tokens.weight
-    target = target.to(torch.bfloat16)
+    target = fp16_valued(target)
     keys = sorted(target.state_dict())
     stock = sum(type(m) is nn.Linear for m in target.modules())
-    assert prepack_linears(target) == stock > 0
+    assert prepack_linears(target, kernel) == stock > 0
     assert not any(type(m) is nn.Linear for m in target.modules())
+    assert {m.kernel for m in target.modules() if type(m) is PrepackedLinear} == {kernel}
     assert target.lm_head.weight is target.model.embed_tokens.weight
     assert sorted(target.state_dict()) == keys
 
 
-@needs_ops
-def test_a_shape_whose_packed_output_differs_keeps_its_stock_layers(monkeypatch):
-    target = tiny_target().to(torch.bfloat16)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_shape_whose_packed_output_differs_keeps_its_stock_layers(monkeypatch, kernel):
+    target = fp16_valued(tiny_target())
     mlp = target.model.layers[0].mlp
     gate_shape = (mlp.gate_proj.in_features, mlp.gate_proj.out_features)
     monkeypatch.setattr(cpu_linear, "packed_matches",
                         lambda linear, packed: (linear.in_features, linear.out_features) != gate_shape)
-    swapped = prepack_linears(target)
+    swapped = prepack_linears(target, kernel)
     kinds = {name: type(m) for name, m in target.named_modules() if name.endswith(("gate_proj", "up_proj", "q_proj"))}
     assert all(kind is nn.Linear for name, kind in kinds.items() if not name.endswith("q_proj"))
     assert all(kind is PrepackedLinear for name, kind in kinds.items() if name.endswith("q_proj"))
     assert swapped == sum(type(m) is PrepackedLinear for m in target.modules()) > 0
 
 
+@fp16
+def test_fp16_packing_keeps_a_target_weight_that_is_not_all_fp16_values_stock():
+    """A target computes with its own weights: a layer with a value fp16 cannot hold (here one below fp16's
+    normal range, which loses bits as a subnormal) stays stock unless ``exact=False`` (drafters)."""
+    target = fp16_valued(tiny_target())
+    with torch.no_grad():
+        target.model.layers[0].mlp.up_proj.weight[0, 0] = 3.3e-6
+    assert fp16_exact(target.model.layers[1].mlp.up_proj.weight)
+    assert not fp16_exact(target.model.layers[0].mlp.up_proj.weight)
+    stock = sum(type(m) is nn.Linear for m in target.modules())
+    assert prepack_linears(target, "fp16") == stock - 1 and type(target.model.layers[0].mlp.up_proj) is nn.Linear
+    assert prepack_linears(target, "fp16", exact=False) == 1
+    assert type(target.model.layers[0].mlp.up_proj) is PrepackedLinear
+
+
 def test_prepack_wanted_by_mode(monkeypatch):
-    monkeypatch.setattr(cpu_linear, "prepack_available", lambda: True)
-    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: False)
-    assert not prepack_wanted("off", torch.bfloat16, "cpu")
-    assert not prepack_wanted("auto", torch.bfloat16, "cpu")  # emulated bf16: unmeasured, left stock
-    assert prepack_wanted("on", torch.bfloat16, "cpu")
-    assert not prepack_wanted("auto", torch.float32, "cpu") and not prepack_wanted("auto", torch.bfloat16, "cuda")
-    monkeypatch.setattr(cpu_linear, "native_bf16", lambda: True)
-    assert prepack_wanted("auto", torch.bfloat16, "cpu")
+    for kernel in ("onednn", "fp16"):  # auto packs with whichever kernel the CPU has
+        monkeypatch.setattr(cpu_linear, "packing_kernel", lambda: kernel)
+        assert not prepack_wanted("off", torch.bfloat16, "cpu")
+        assert prepack_wanted("auto", torch.bfloat16, "cpu") and prepack_wanted("on", torch.bfloat16, "cpu")
+        assert not prepack_wanted("auto", torch.float32, "cpu") and not prepack_wanted("auto", torch.bfloat16, "cuda")
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda"), (torch.bfloat16, "auto")):
         with pytest.raises(ValueError, match="cpu-prepack on packs bf16 weights on the CPU"):
             prepack_wanted("on", dtype, device)
@@ -118,14 +182,41 @@ def test_prepack_wanted_by_mode(monkeypatch):
     from eagle_dropmatch import gen
     choices = next(a.choices for a in gen.build_parser()._actions if a.dest == "cpu_prepack")
     assert tuple(choices) == cpu_linear.PREPACK_MODES  # gen spells them out so that parsing imports no torch
-    monkeypatch.setattr(cpu_linear, "prepack_available", lambda: False)
+    monkeypatch.setattr(cpu_linear, "packing_kernel", lambda: None)
     assert not prepack_wanted("auto", torch.bfloat16, "cpu")
     with pytest.raises(ValueError, match="lacks"):
         prepack_wanted("on", torch.bfloat16, "cpu")
 
 
-@needs_ops
-def test_a_prepacked_model_decodes_the_same_tokens(tiny_model_dir):
+def test_the_kernel_probe_says_what_this_cpu_packs():
+    """oneDNN's bf16 packing where the CPU has native bf16 and oneDNN packs bf16, fbgemm's fp16 packing where
+    it runs, nothing else; each probe answers without raising."""
+    kernel = cpu_linear.packing_kernel()
+    assert kernel in (*cpu_linear.KERNELS, None)
+    if cpu_linear.native_bf16() and onednn_packs_bf16():
+        assert kernel == "onednn"
+    else:
+        assert kernel == ("fp16" if fbgemm_fp16_works() else None)
+
+
+@pytest.fixture
+def fp16_model_dir(tiny_model_dir, tmp_path):
+    """``tiny_model_dir``'s target with its weights rounded to fp16 values (so "fp16" packs every layer)."""
+    import shutil
+    from transformers import AutoModelForCausalLM
+    shutil.copytree(tiny_model_dir / "target", tmp_path / "target")
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir / "target"))
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(p.half().float())
+    target.save_pretrained(str(tmp_path / "target"))
+    shutil.copytree(tiny_model_dir / "head", tmp_path / "head")
+    return tmp_path
+
+
+@onednn
+def test_a_onednn_packed_model_decodes_the_same_tokens(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "packing_kernel", lambda: "onednn")
     d = tiny_model_dir
     packed = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack="on")
     stock = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack="off")
@@ -138,6 +229,29 @@ def test_a_prepacked_model_decodes_the_same_tokens(tiny_model_dir):
         assert a.token_ids == b.token_ids and a.accept_lengths == b.accept_lengths, settings
     other = packed.with_head(d / "head")
     assert other.prepacked > packed.prepacked and type(other.head.lm_head) is PrepackedLinear
+
+
+@fp16
+def test_an_fp16_packed_model_decodes_as_the_engine_promises(fp16_model_dir, monkeypatch):
+    """With fbgemm's kernel every layer of target and head is packed; the target's hidden states stay those
+    of the stock bf16 model up to rounding; DropMatch at p = 0 is lossless EAGLE-3 bit for bit on the packed
+    layers, as on the stock ones; plain decoding runs on them too."""
+    monkeypatch.setattr(cpu_linear, "packing_kernel", lambda: "fp16")
+    d = fp16_model_dir
+    packed = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack="on")
+    stock = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack="off")
+    layers = [m for m in (*packed.target.modules(), *packed.head.modules()) if isinstance(m, nn.Linear | PrepackedLinear)]
+    assert packed.prepacked == len(layers) > 0 and all(type(m) is PrepackedLinear and m.kernel == "fp16" for m in layers)
+    prompt = packed.chat_ids([{"role": "user", "content": "Say something long."}])
+    with torch.no_grad():
+        ours, theirs = (m.target.model(prompt[None]).last_hidden_state.float() for m in (packed, stock))
+    assert F.cosine_similarity(ours, theirs, dim=-1).min() > 0.999
+    lossless = packed.generate(prompt, max_new_tokens=24)
+    assert lossless.token_ids == packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.0).token_ids
+    plain = packed.generate(prompt, max_new_tokens=24, baseline=True)
+    assert plain.rounds == len(plain.token_ids) + (plain.stop_reason == "eos") > 0  # one token per forward
+    sampled = packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.3, temperature=0.8, seed=3)
+    assert len(sampled.token_ids) > 0 and sampled.rounds > 0
 
 
 def test_load_refuses_prepacking_an_fp32_model_in_one_line(tiny_model_dir):
