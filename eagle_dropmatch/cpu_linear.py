@@ -27,7 +27,10 @@ call; with gradients enabled, or an input or weight that is not bf16 on the CPU,
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -51,17 +54,34 @@ def onednn_packs_bf16() -> bool:
     return True
 
 
+@functools.cache
 def fbgemm_fp16_works() -> bool:
-    """Whether this torch build has fbgemm's fp16-weight linear ops and they run on this CPU."""
+    """Whether this torch build has fbgemm's fp16-weight linear ops and they run on this CPU (probed once per
+    process, with torch's deprecation notice for them kept off stderr)."""
     aten = torch.ops.aten
     if not (hasattr(aten, "fbgemm_pack_gemm_matrix_fp16") and hasattr(aten, "fbgemm_linear_fp16_weight")):
         return False
     try:
-        packed = aten.fbgemm_pack_gemm_matrix_fp16(torch.ones(8, 8))
-        return bool(torch.equal(aten.fbgemm_linear_fp16_weight(torch.ones(1, 8), packed, torch.zeros(8)),
-                                torch.full((1, 8), 8.0)))
+        with stderr_silenced():  # torch prints a deprecation notice for each op at its first call in a process
+            packed = aten.fbgemm_pack_gemm_matrix_fp16(torch.ones(8, 8))
+            out = aten.fbgemm_linear_fp16_weight(torch.ones(1, 8), packed, torch.zeros(8))
+        return bool(torch.equal(out, torch.full((1, 8), 8.0)))
     except RuntimeError:
         return False
+
+
+@contextlib.contextmanager
+def stderr_silenced():
+    """Discard what C++ code writes to the process's stderr (file descriptor 2) inside the block."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def native_bf16() -> bool:
@@ -110,6 +130,12 @@ def prepack_wanted(mode: str, dtype: torch.dtype, device: str) -> bool:
     return available
 
 
+def kernel_for(mode: str, dtype: torch.dtype, device: str) -> str | None:
+    """The kernel ``load`` packs a model's layers with under these settings, or None (stock layers); the
+    errors of ``prepack_wanted``."""
+    return packing_kernel() if prepack_wanted(mode, dtype, device) else None
+
+
 class PrepackedLinear(nn.Module):
     """An ``nn.Linear`` whose bf16 weight was packed once for a CPU kernel.
 
@@ -142,6 +168,7 @@ class PrepackedLinear(nn.Module):
             if self.kernel == "onednn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
             else:
+                fbgemm_fp16_works()  # the ops' first calls, with their deprecation notice, happen in the probe
                 self.packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight.float())
         self.packed_from = (self.weight._version, self.weight.data_ptr())
 

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "beside --question-file)")
     a("--model-id", help="name recorded in the answers (default: derived from the settings)")
     a("--max-new-tokens", type=int, default=512)
-    a("--total-token", type=int, default=8, help="tree nodes including the root (N; 8 is tuned for a 2-core CPU)")
+    a("--total-token", type=int, help="tree nodes including the root (N; default 8, or 6 where the linear layers "
+      "run on fbgemm's fp16 kernel, a CPU without native bf16: tuned for 2-core CPUs)")
     a("--depth", type=int, default=3, help="draft levels (D)")
     a("--top-k", type=int, default=2, help="children per expanded node (K of the tree)")
     a("--temperature", type=float, default=0.0)
@@ -90,11 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Reject bad numbers before anything is loaded."""
-    from .cpu_linear import prepack_wanted
+    """Reject bad numbers before anything is loaded; fill in the tree size the layers' kernel wants."""
+    from .cpu_linear import kernel_for
     from .loading import (LoadError, check_device, check_draft_length, check_rule_shape, check_tree_shape,
-                          make_decode_config, resolve_dtype)
+                          default_total_token, make_decode_config, resolve_dtype)
     from .resources import BENCHES
+    try:
+        check_device(args.device)
+        kernel = kernel_for(args.cpu_prepack, resolve_dtype(args.dtype), args.device)
+    except (LoadError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    if args.total_token is None:
+        args.total_token = default_total_token(kernel)
     if args.draft_model_path and (args.ea_model_path or args.baseline):
         raise UsageError("--draft-model-path (standard speculative decoding) excludes --ea-model-path and "
                          "--baseline")
@@ -126,11 +134,6 @@ def check_args(args: argparse.Namespace) -> None:
                      if name in conv_templates] or sorted(conv_templates)[:4]
             raise UsageError(f"unknown fschat conversation template {args.conv_template!r} (fastchat.conversation."
                              f"conv_templates has {len(conv_templates)}, e.g. {', '.join(known)})")
-    try:
-        check_device(args.device)
-        prepack_wanted(args.cpu_prepack, resolve_dtype(args.dtype), args.device)
-    except (LoadError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
 
 
 def method_of(args: argparse.Namespace) -> str:

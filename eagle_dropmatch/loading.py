@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_linear import prepack_linears, prepack_wanted
+from .cpu_linear import kernel_for, prepack_linears
 from .draft_model import DraftModelError, ModelDrafter, check_tokenizers
 from .drafters import Drafter, Eagle3Drafter
 from .dropmatch import DropMatchConfig, check_sample_rows, check_shortlist
@@ -147,6 +147,8 @@ class EagleModel:
         decoder: the engine over ``target``.
         draft: a draft causal LM sharing the tokenizer, or None.
         prepacked: how many linear layers run on packed weights (``cpu_linear``; 0 = none).
+        kernel: the kernel they run on ("onednn" or "fp16"), or None (stock layers); it sets the default
+            tree size (``default_total_token``).
     """
 
     target: object
@@ -155,13 +157,14 @@ class EagleModel:
     decoder: SpeculativeDecoder
     draft: object | None = None
     prepacked: int = 0
+    kernel: str | None = None
 
     def with_head(self, ea_model_path: str | Path) -> "EagleModel":
         """The same target, tokenizer and draft model (not reloaded) with another EAGLE-3 head, e.g. to
         compare two heads side by side in one process. The head is checked against the target as ``load``
         checks it and takes the target's dtype."""
         head, aux = attach_head(self.target, ea_model_path, self.target.get_output_embeddings().weight.dtype)
-        prepacked = self.prepacked + (prepack_linears(head, exact=False) if self.prepacked else 0)
+        prepacked = self.prepacked + (prepack_linears(head, self.kernel, exact=False) if self.kernel else 0)
         decoder = SpeculativeDecoder(self.target, aux, self.decoder.eos_token_ids)
         return replace(self, head=head, decoder=decoder, prepacked=prepacked)
 
@@ -172,7 +175,7 @@ class EagleModel:
         return torch.as_tensor(chat_template_ids(self.tokenizer, messages), dtype=torch.long).reshape(-1)
 
     def generate(self, input_ids, *, max_new_tokens: int = 256, method: str | None = None,
-                 total_token: int = 8, depth: int = 3, top_k: int = 2, draft_length: int = 5,
+                 total_token: int | None = None, depth: int = 3, top_k: int = 2, draft_length: int = 5,
                  temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
                  dropmatch_k: int = 0, dropout_p: float | str = 0.3, dropmatch_protect: int | str = 0,
                  dropmatch_rule: str = "match", rule_top_k: int = 2, dropmatch_shortlist: int = 0,
@@ -180,7 +183,8 @@ class EagleModel:
                  timer: RoundTimer | None = None) -> Generation:
         """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
 
-        ``method``: "eagle3" (tree N/D/K = total_token/depth/top_k; top_k 1 is chain mode), "sd" (the
+        ``method``: "eagle3" (tree N/D/K = total_token/depth/top_k; top_k 1 is chain mode; N by default
+        ``default_total_token`` of the layers' kernel), "sd" (the
         draft model, chains of ``draft_length``) or "baseline"; default "sd" when a draft model is
         loaded, else "eagle3". ``dropmatch_rule``: "match", "js" (chains only) or "topk"
         (``rule_top_k``). ``dropmatch_shortlist`` M > 0 scores the samples over each decision node's M best
@@ -201,9 +205,10 @@ class EagleModel:
                                draft_length=draft_length)
         return self.decoder.generate(input_ids, drafter, cfg, timer=timer)
 
-    def drafter(self, method: str, cfg: DecodeConfig, *, total_token: int = 8, depth: int = 3,
+    def drafter(self, method: str, cfg: DecodeConfig, *, total_token: int | None = None, depth: int = 3,
                 top_k: int = 2, draft_length: int = 5) -> Drafter:
-        """The drafter of ``method`` ("eagle3" or "sd") for the settings ``cfg`` (checked)."""
+        """The drafter of ``method`` ("eagle3" or "sd") for the settings ``cfg`` (checked); a tree of
+        ``default_total_token`` nodes unless ``total_token`` is given."""
         dm = cfg.dropmatch
         sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, sample_top_k=cfg.sample_top_k)
         if method == "sd":
@@ -217,10 +222,22 @@ class EagleModel:
             raise LoadError(f"unknown method {method!r}; choose eagle3, sd or baseline")
         if self.head is None:
             raise LoadError("no EAGLE-3 head is loaded; pass ea_model_path or use baseline=True")
+        total_token = default_total_token(self.kernel) if total_token is None else total_token
         check_tree_shape(total_token, depth, top_k)
         check_rule_shape(dm.rule, top_k)
         return Eagle3Drafter(self.head, total_token, depth, top_k, draft_probs=dm.active and dm.rule == "js",
                              **sampling)
+
+
+def default_total_token(kernel: str | None) -> int:
+    """Tree nodes N (root included) when none is given, for the kernel the layers run on (``cpu_linear``).
+
+    8 where they run stock or on oneDNN: tuned on 2-core CPUs with native bf16 (README, tree sweeps). 6 on
+    fbgemm's fp16 kernel (CPUs without native bf16): its products take rows in blocks of 6, so a seventh
+    node costs a second pass over every weight (SmolLM2's LM head: 5.0 ms for 6 rows, 9.5 ms for 7), and
+    6/3/2 ran 1.38x plain decoding where 8/3/2 ran 1.12x (README, "On a CPU without native bf16").
+    """
+    return 6 if kernel == "fp16" else 8
 
 
 def check_tree_shape(total_token: int, depth: int, top_k: int) -> None:
@@ -347,7 +364,7 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
     torch_dtype = resolve_dtype(dtype)
     check_device(device)
     try:
-        pack = prepack_wanted(cpu_prepack, torch_dtype, device)
+        kernel = kernel_for(cpu_prepack, torch_dtype, device)
     except ValueError as exc:
         raise LoadError(str(exc)) from None
     if model_path is None:
@@ -378,8 +395,8 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_tokenizers(tokenizer, draft_tokenizer)
         except DraftModelError as exc:
             raise LoadError(str(exc)) from None
-    prepacked = (prepack_linears(target) + sum(prepack_linears(module, exact=False) for module in (head, draft)
-                                              if module is not None)) if pack else 0
+    prepacked = (prepack_linears(target, kernel) + sum(prepack_linears(module, kernel, exact=False)
+                                                       for module in (head, draft) if module is not None)) if kernel else 0
     try:
         decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
         probe_plain_decoding(decoder)
@@ -394,7 +411,7 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_forward_arguments(draft, ("position_ids",), "draft model")
     except ValueError as exc:
         raise LoadError(f"cannot decode {model_path} speculatively: {exc}") from None
-    return EagleModel(target, tokenizer, head, decoder, draft, prepacked)
+    return EagleModel(target, tokenizer, head, decoder, draft, prepacked, kernel if prepacked else None)
 
 
 def probe_plain_decoding(decoder: SpeculativeDecoder) -> None:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # script_args, when no
 from eagle_dropmatch.acceptance import first_argmax  # noqa: E402
 from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
-from eagle_dropmatch.loading import LoadError, parse_dropout_p, parse_protect  # noqa: E402
+from eagle_dropmatch.loading import LoadError, default_total_token, parse_dropout_p, parse_protect  # noqa: E402
 from eagle_dropmatch.resources import ResourceError  # noqa: E402
 from script_args import add_model_and_question_args, load_model_and_questions  # noqa: E402
 
@@ -85,7 +85,7 @@ def lm_head_costs(lm_head, nodes: int, extra_rows: list[int]) -> dict:
 
 
 @torch.no_grad()
-def forward_costs(model, prompt: torch.Tensor, sizes=(1, 2, 4, 8, 16, 32), repeats: int = 5) -> dict[int, float]:
+def forward_costs(model, prompt: torch.Tensor, sizes=(1, 2, 4, 6, 7, 8, 16, 32), repeats: int = 5) -> dict[int, float]:
     """Milliseconds of one target forward (the body, no LM head) over S new tokens on top of the prompt's
     cache, per S: what a verification round's "target" section costs against plain decoding's one token.
     Median of ``repeats``; the cache is rebuilt for each (not timed)."""
@@ -173,7 +173,7 @@ def print_report(table: dict, costs: dict, title: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_and_question_args(p, questions=8, max_new_tokens=128)
-    p.add_argument("--total-token", type=int, default=8)
+    p.add_argument("--total-token", type=int, help="tree nodes N (default: the engine's for the layers' kernel)")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--dropmatch-k", type=int, default=5)
@@ -210,6 +210,8 @@ def main(argv=None) -> int:
                     label = name + (f" M={m}" if m else "") + ("" if rows == "all" else f" rows={rows}")
                     variants[label] = dict(base, dropmatch_shortlist=m, dropmatch_rows=rows)
         model, questions = load_model_and_questions(args)
+        if args.total_token is None:
+            args.total_token = default_total_token(model.kernel)
         shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
                      max_new_tokens=args.max_new_tokens)
         first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
         stacked = name.rsplit(" rows=", 1)[0]
         if stacked != name and stacked in answers:
             table[name]["same_tokens_as_all_rows"] = sum(a == b for a, b in zip(answers[name], answers[stacked]))
-    costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [5, 10, 20, 30])
+    costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [1, 5, 10, 20, 30])
     flips = rescale_flip_share(model, prompts)
     forward = forward_costs(model, prompts[0])
     result = {"settings": vars(args), "prepacked_linears": model.prepacked, "per_round_ms": table,

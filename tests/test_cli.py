@@ -216,3 +216,28 @@ def test_default_answer_files_name_what_shapes_the_run(tiny_model_dir, tmp_path,
     assert meta["bench"] is None and meta["question_file"] == str(questions)
     assert run_gen(capsys, *common, "--baseline", "--conv-template", "vicuna_v1.1")[0] == 0
     assert (tmp_path / "mine" / "model_answer" / "target-vicuna_v1.1-baseline-float32.jsonl").exists()
+
+
+def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, capsys):
+    """fbgemm's fp16 kernel (CPUs without native bf16) takes rows in blocks of 6, so a tree of 6 nodes is the
+    default where it runs the layers, 8 elsewhere; a given --total-token wins. The meta records the tree used."""
+    from pathlib import Path
+
+    from eagle_dropmatch.cpu_linear import packing_kernel
+    from eagle_dropmatch.generate import DecodeConfig
+    from eagle_dropmatch.loading import default_total_token, load
+    assert default_total_token("fp16") == 6 and default_total_token("onednn") == default_total_token(None) == 8
+    d = tiny_model_dir
+    here = default_total_token(packing_kernel())  # bf16 packs with this machine's kernel under auto
+    for name, flags, nodes in (("fp32", ["--dtype", "float32"], 8), ("bf16", ["--dtype", "bfloat16"], here),
+                               ("bf16-stock", ["--dtype", "bfloat16", "--cpu-prepack", "off"], 8),
+                               ("bf16-n5", ["--dtype", "bfloat16", "--total-token", "5"], 5)):
+        answers = tmp_path / f"{name}.jsonl"
+        code = gen.main([*map(str, base_args(d, answers, "--question-end", 1)), *flags, "--no-progress",
+                         "--max-new-tokens", "8"])
+        assert code == 0, capsys.readouterr().err
+        assert json.loads(Path(f"{answers}.meta.json").read_text())["total_token"] == nodes, name
+    model = load(d / "target", d / "head", dtype="bfloat16")
+    assert model.kernel == (packing_kernel() if model.prepacked else None)
+    assert model.drafter("eagle3", DecodeConfig()).max_nodes == default_total_token(model.kernel)
+    assert model.drafter("eagle3", DecodeConfig(), total_token=4).max_nodes == 4
