@@ -395,8 +395,9 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_tokenizers(tokenizer, draft_tokenizer)
         except DraftModelError as exc:
             raise LoadError(str(exc)) from None
+    draft_modules = [module for module in (head, draft) if module is not None]
     prepacked = (prepack_linears(target, kernel) + sum(prepack_linears(module, kernel, exact=False)
-                                                       for module in (head, draft) if module is not None)) if kernel else 0
+                                                       for module in draft_modules)) if kernel else 0
     try:
         decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
         probe_plain_decoding(decoder)

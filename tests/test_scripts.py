@@ -291,10 +291,17 @@ def test_bench_methods_compares_prepacked_and_stock_layers_side_by_side(tiny_mod
         assert answers["packed"] == answers["stock"]
 
 
-def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_path, capsys):
+def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """The sweep answers both benches (GSM8K at its own length) and scores every row against lossless
     EAGLE-3, plain decoding included (the measures' noise floor, nil in fp32); no setting here is called
-    faithful unless it passes the bars."""
+    faithful unless it passes the bars. Its question sets are written here ($EAGLE_DROPMATCH_DATA), so the test
+    needs no shared/data beside the clone."""
+    data = tmp_path / "data"
+    for bench, question in (("mt_bench", {"turns": ["Say hi."]}),
+                            ("gsm8k", {"turns": ["What is 2 + 3?"], "reference": ["2 + 3 = 5\n#### 5"]})):
+        (data / bench).mkdir(parents=True)
+        (data / bench / "question.jsonl").write_text(json.dumps({"question_id": 0, "category": "x", **question}) + "\n")
+    monkeypatch.setenv("EAGLE_DROPMATCH_DATA", str(data))
     out = tmp_path / "sweep"
     rc = _script("sweep_dropmatch").main(
         ["--model-path", str(tiny_model_dir / "target"), "--ea-model-path", str(tiny_model_dir / "head"),
