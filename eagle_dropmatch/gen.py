@@ -68,11 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dropmatch-shortlist", type=int, default=0, metavar="M",
       help="score DropMatch's samples over each node's M best undropped tokens and the draft tokens instead "
            "of the whole vocabulary (match rule, temperature 0; 0 = whole vocabulary)")
-    a("--dropmatch-rows", default="all", choices=["all", "reachable"],
+    a("--dropmatch-rows", choices=["all", "reachable"],
       help="which DropMatch samples go through the LM head: all (every node with children, stacked into the "
            "undropped rows' matmul) or reachable (level by level, only nodes reached so far: fewer rows, more "
            "passes; faster where LM-head rows are expensive, e.g. a CPU without native bf16). Same decisions; "
-           "reachable needs the match rule at temperature 0")
+           "reachable needs the match rule at temperature 0. Default: reachable where it applies and the linear "
+           "layers run on fbgemm's fp16 kernel, else all")
     a("--seed", type=int, default=0)
     a("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     a("--device", default="cpu", help="cpu, cuda, cuda:N or auto (accelerate device_map)")
@@ -91,10 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Reject bad numbers before anything is loaded; fill in the tree size the layers' kernel wants."""
+    """Reject bad numbers before anything is loaded; fill in the tree size and the DropMatch sample rows the
+    layers' kernel wants."""
     from .cpu_linear import kernel_for
     from .loading import (LoadError, check_device, check_draft_length, check_rule_shape, check_tree_shape,
-                          default_total_token, make_decode_config, resolve_dtype)
+                          default_dropmatch_rows, default_total_token, make_decode_config, resolve_dtype)
     from .resources import BENCHES
     try:
         check_device(args.device)
@@ -103,6 +105,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
     if args.total_token is None:
         args.total_token = default_total_token(kernel)
+    if args.dropmatch_rows is None:
+        args.dropmatch_rows = default_dropmatch_rows(kernel, args.dropmatch_k, args.dropmatch_rule, args.temperature)
     if args.draft_model_path and (args.ea_model_path or args.baseline):
         raise UsageError("--draft-model-path (standard speculative decoding) excludes --ea-model-path and "
                          "--baseline")

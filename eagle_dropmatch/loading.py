@@ -179,7 +179,7 @@ class EagleModel:
                  temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
                  dropmatch_k: int = 0, dropout_p: float | str = 0.3, dropmatch_protect: int | str = 0,
                  dropmatch_rule: str = "match", rule_top_k: int = 2, dropmatch_shortlist: int = 0,
-                 dropmatch_rows: str = "all", seed: int = 0, baseline: bool = False,
+                 dropmatch_rows: str | None = None, seed: int = 0, baseline: bool = False,
                  timer: RoundTimer | None = None) -> Generation:
         """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
 
@@ -190,9 +190,11 @@ class EagleModel:
         (``rule_top_k``). ``dropmatch_shortlist`` M > 0 scores the samples over each decision node's M best
         undropped tokens and the draft tokens (match rule, temperature 0). ``dropmatch_rows`` "reachable"
         scores the samples level by level, only at nodes reached so far (the same decisions as "all", which
-        stacks every node's samples into one LM-head matmul; match rule, temperature 0). Every lossy setting
-        is lossy even at temperature 0.
+        stacks every node's samples into one LM-head matmul; match rule, temperature 0); by default
+        ``default_dropmatch_rows`` of the layers' kernel. Every lossy setting is lossy even at temperature 0.
         """
+        if dropmatch_rows is None:
+            dropmatch_rows = default_dropmatch_rows(self.kernel, dropmatch_k, dropmatch_rule, temperature)
         cfg = make_decode_config(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  sample_top_k=sample_top_k, dropmatch_k=dropmatch_k, dropout_p=dropout_p,
                                  dropmatch_protect=dropmatch_protect, dropmatch_rule=dropmatch_rule,
@@ -238,6 +240,19 @@ def default_total_token(kernel: str | None) -> int:
     6/3/2 ran 1.38x plain decoding where 8/3/2 ran 1.12x (README, "On a CPU without native bf16").
     """
     return 6 if kernel == "fp16" else 8
+
+
+def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temperature: float) -> str:
+    """How DropMatch's samples go through the LM head when not given (``DropMatchConfig.rows``).
+
+    "reachable" (level by level, only at reached nodes; the same decisions) on fbgemm's fp16 kernel, where
+    DropMatch is on and the rule allows it (match, temperature 0): that kernel reads the LM head's weight once
+    per 6 rows, so the samples stacked under the tree's rows cost passes, and scoring fewer of them in a few
+    small products costs fewer (README, "On a CPU without native bf16"). "all" (every node's samples stacked
+    into the tree's matmul, the weight read once) elsewhere, where a stacked row costs a little arithmetic.
+    """
+    level_by_level = kernel == "fp16" and dropmatch_k > 0 and rule == "match" and temperature == 0
+    return "reachable" if level_by_level else "all"
 
 
 def check_tree_shape(total_token: int, depth: int, top_k: int) -> None:

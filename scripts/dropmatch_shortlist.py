@@ -120,7 +120,7 @@ def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generat
 
     with watch_rounds(on_round):
         for ids in prompts:
-            model.generate(ids, **generate_kwargs)
+            model.generate(ids, **generate_kwargs, dropmatch_rows="all")  # every sample stacked: the watched path
     rows, rounds = max(counts["rows"], 1), max(counts["rounds"], 1)
     return {"rows": counts["rows"], "rounds": counts["rounds"], "accepted_per_round": counts["accepted"] / rounds,
             "argmax_is_child": counts["argmax_is_child"] / rows,

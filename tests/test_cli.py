@@ -241,3 +241,42 @@ def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, ca
     assert model.kernel == (packing_kernel() if model.prepacked else None)
     assert model.drafter("eagle3", DecodeConfig()).max_nodes == default_total_token(model.kernel)
     assert model.drafter("eagle3", DecodeConfig(), total_token=4).max_nodes == 4
+
+
+def test_dropmatch_scores_reachable_rows_by_default_on_the_fp16_kernel(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """On fbgemm's fp16 kernel (it reads the weight once per 6 rows) DropMatch's samples are scored level by level
+    by default, where the rule allows it (match, temperature 0); elsewhere, with sampling or with DropMatch off,
+    they are stacked ("all"); a given --dropmatch-rows wins. The meta records the rows used, and the Python API
+    picks the same."""
+    from pathlib import Path
+
+    import eagle_dropmatch.generate as engine
+    from eagle_dropmatch.cpu_linear import packing_kernel
+    from eagle_dropmatch.loading import default_dropmatch_rows, load
+    assert default_dropmatch_rows("fp16", 5, "match", 0.0) == "reachable"
+    assert {default_dropmatch_rows("fp16", 0, "match", 0.0), default_dropmatch_rows("fp16", 5, "match", 0.7),
+            default_dropmatch_rows("fp16", 5, "topk", 0.0), default_dropmatch_rows("onednn", 5, "match", 0.0),
+            default_dropmatch_rows(None, 5, "match", 0.0)} == {"all"}
+    d = tiny_model_dir
+    here = "reachable" if packing_kernel() == "fp16" else "all"
+    dm = ["--dropmatch-k", "5", "--dropout-p", "0.3"]
+    for name, flags, rows in (("fp32", ["--dtype", "float32", *dm], "all"),
+                              ("bf16", ["--dtype", "bfloat16", *dm], here),
+                              ("bf16-t", ["--dtype", "bfloat16", *dm, "--temperature", "0.7"], "all"),
+                              ("bf16-off", ["--dtype", "bfloat16"], "all"),
+                              ("bf16-all", ["--dtype", "bfloat16", *dm, "--dropmatch-rows", "all"], "all")):
+        answers = tmp_path / f"{name}.jsonl"
+        code = gen.main([*map(str, base_args(d, answers, "--question-end", 1)), *flags, "--no-progress",
+                         "--max-new-tokens", "8"])
+        assert code == 0, capsys.readouterr().err
+        assert json.loads(Path(f"{answers}.meta.json").read_text())["dropmatch_rows"] == rows, name
+    model = load(d / "target", d / "head", dtype="bfloat16")
+    calls = []
+    scored = engine.reachable_sample_tokens
+    monkeypatch.setattr(engine, "reachable_sample_tokens", lambda *a, **k: calls.append(1) or scored(*a, **k))
+    prompt = model.chat_ids([{"role": "user", "content": "Say hi."}])
+    model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3)
+    assert bool(calls) == (model.kernel == "fp16")
+    calls.clear()
+    model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3, dropmatch_rows="all")
+    assert not calls
