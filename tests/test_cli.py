@@ -218,11 +218,17 @@ def test_default_answer_files_name_what_shapes_the_run(tiny_model_dir, tmp_path,
     assert (tmp_path / "mine" / "model_answer" / "target-vicuna_v1.1-baseline-float32.jsonl").exists()
 
 
+def meta_of_one_answer(d, answers, flags, capsys) -> dict:
+    """The meta of a run of ``gen`` over the first question (8 new tokens) with ``flags``, which must succeed."""
+    code = gen.main([*map(str, base_args(d, answers, "--question-end", 1)), *flags, "--no-progress",
+                     "--max-new-tokens", "8"])
+    assert code == 0, capsys.readouterr().err
+    return json.loads(answers.with_name(answers.name + ".meta.json").read_text())
+
+
 def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, capsys):
     """fbgemm's fp16 kernel (CPUs without native bf16) takes rows in blocks of 6, so a tree of 6 nodes is the
     default where it runs the layers, 8 elsewhere; a given --total-token wins. The meta records the tree used."""
-    from pathlib import Path
-
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.generate import DecodeConfig
     from eagle_dropmatch.loading import default_total_token, load
@@ -232,11 +238,7 @@ def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, ca
     for name, flags, nodes in (("fp32", ["--dtype", "float32"], 8), ("bf16", ["--dtype", "bfloat16"], here),
                                ("bf16-stock", ["--dtype", "bfloat16", "--cpu-prepack", "off"], 8),
                                ("bf16-n5", ["--dtype", "bfloat16", "--total-token", "5"], 5)):
-        answers = tmp_path / f"{name}.jsonl"
-        code = gen.main([*map(str, base_args(d, answers, "--question-end", 1)), *flags, "--no-progress",
-                         "--max-new-tokens", "8"])
-        assert code == 0, capsys.readouterr().err
-        assert json.loads(Path(f"{answers}.meta.json").read_text())["total_token"] == nodes, name
+        assert meta_of_one_answer(d, tmp_path / f"{name}.jsonl", flags, capsys)["total_token"] == nodes, name
     model = load(d / "target", d / "head", dtype="bfloat16")
     assert model.kernel == (packing_kernel() if model.prepacked else None)
     assert model.drafter("eagle3", DecodeConfig()).max_nodes == default_total_token(model.kernel)
@@ -248,8 +250,6 @@ def test_dropmatch_scores_reachable_rows_by_default_on_the_fp16_kernel(tiny_mode
     by default, where the rule allows it (match, temperature 0); elsewhere, with sampling or with DropMatch off,
     they are stacked ("all"); a given --dropmatch-rows wins. The meta records the rows used, and the Python API
     picks the same."""
-    from pathlib import Path
-
     import eagle_dropmatch.generate as engine
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.loading import default_dropmatch_rows, load
@@ -265,11 +265,7 @@ def test_dropmatch_scores_reachable_rows_by_default_on_the_fp16_kernel(tiny_mode
                               ("bf16-t", ["--dtype", "bfloat16", *dm, "--temperature", "0.7"], "all"),
                               ("bf16-off", ["--dtype", "bfloat16"], "all"),
                               ("bf16-all", ["--dtype", "bfloat16", *dm, "--dropmatch-rows", "all"], "all")):
-        answers = tmp_path / f"{name}.jsonl"
-        code = gen.main([*map(str, base_args(d, answers, "--question-end", 1)), *flags, "--no-progress",
-                         "--max-new-tokens", "8"])
-        assert code == 0, capsys.readouterr().err
-        assert json.loads(Path(f"{answers}.meta.json").read_text())["dropmatch_rows"] == rows, name
+        assert meta_of_one_answer(d, tmp_path / f"{name}.jsonl", flags, capsys)["dropmatch_rows"] == rows, name
     model = load(d / "target", d / "head", dtype="bfloat16")
     calls = []
     scored = engine.reachable_sample_tokens
