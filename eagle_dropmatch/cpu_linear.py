@@ -214,9 +214,7 @@ def packed_matches(linear: nn.Linear, packed: PrepackedLinear, rows: tuple[int, 
     rounding step.
     """
     generator = torch.Generator().manual_seed(0)
-    weight = linear.weight.detach().float()
-    if packed.kernel == "fp16":
-        weight = linear.weight.detach().half().float()
+    weight = linear.weight.detach().half().float() if packed.kernel == "fp16" else None  # what fbgemm holds
     with torch.no_grad():
         for n in rows:
             x = torch.randn(n, linear.in_features, generator=generator).to(torch.bfloat16)

@@ -147,8 +147,10 @@ class EagleModel:
         decoder: the engine over ``target``.
         draft: a draft causal LM sharing the tokenizer, or None.
         prepacked: how many linear layers run on packed weights (``cpu_linear``; 0 = none).
-        kernel: the kernel they run on ("onednn" or "fp16"), or None (stock layers); it sets the default
-            tree size (``default_total_token``).
+        kernel: the kernel ``load`` packs with on this CPU ("onednn" or "fp16", ``cpu_linear.kernel_for``),
+            or None (stock layers); a layer it cannot serve exactly stays stock. It sets the default tree size
+            and DropMatch sample rows (``default_total_token``, ``default_dropmatch_rows``), as ``gen`` predicts
+            them before loading from the same ``kernel_for``.
     """
 
     target: object
@@ -427,7 +429,7 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_forward_arguments(draft, ("position_ids",), "draft model")
     except ValueError as exc:
         raise LoadError(f"cannot decode {model_path} speculatively: {exc}") from None
-    return EagleModel(target, tokenizer, head, decoder, draft, prepacked, kernel if prepacked else None)
+    return EagleModel(target, tokenizer, head, decoder, draft, prepacked, kernel)
 
 
 def probe_plain_decoding(decoder: SpeculativeDecoder) -> None:
