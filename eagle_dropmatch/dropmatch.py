@@ -184,17 +184,35 @@ def check_sample_rows(cfg: DropMatchConfig, temperature: float) -> None:
                          "needs the match rule at temperature 0: use --dropmatch-rows all")
 
 
+def deciding_nodes(tree, target_tokens: torch.Tensor) -> torch.Tensor:
+    """The nodes whose samples can change the match rule's path: those with a child whose token is not the
+    node's undropped token. At a node whose every child carries that token (an only child, mostly), every
+    child is accepted whatever the samples say, and a sample token that no child carries decides nothing.
+
+    Args:
+        tree: the ``DraftTree`` (tokens, parents).
+        target_tokens: [N] the undropped tokens.
+
+    Returns:
+        bool [N]; no host synchronisation.
+    """
+    parents = tree.parents[1:]  # [N - 1], the parent of every node but the root
+    other_child = (tree.tokens[1:] != target_tokens[parents]).long()  # [N - 1]
+    return torch.zeros_like(target_tokens).index_add_(0, parents, other_child) > 0
+
+
 def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
                             rescale: bool, score, vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """The match rule's sample tokens, computed only where they can be used: at reached nodes with children.
+    """The match rule's sample tokens, computed only where they can be used: at reached deciding nodes.
 
     A node's samples can change the accepted path only if the node is reached (every token on its path is
-    accepted) and has children. So, level by level from the root: the reached nodes with children at depth
-    d (the frontier) send their samples through ``score``, one LM-head product per level, and a child at
-    depth d + 1 is reached when its token is its parent's undropped token or one of its samples' tokens. The
-    masks are those of ``dropout_inputs`` (drawn for all K x N samples), so every reached node gets the
-    tokens the "all" variant gives it, and the path is the same; the agreement counts, taken over the
-    path's nodes with children, are the same too. Up to depth products instead of one, over fewer rows:
+    accepted) and has a child other than its undropped token (``deciding_nodes``). So, level by level from
+    the root: the reached deciding nodes at depth d (the frontier) send their samples through ``score``,
+    one LM-head product per level, and a child at depth d + 1 is reached when its token is its parent's
+    undropped token or one of its samples' tokens. The masks are those of ``dropout_inputs`` (drawn for all
+    K x N samples), so every scored node gets the tokens the "all" variant gives it, and the path is the
+    same; the agreement counts, taken over the path's deciding nodes, are the same too. Up to depth
+    products instead of one, over fewer rows:
     faster where a row costs as much alone as stacked (bf16 on a CPU that emulates it), slower where a pass
     over the LM head costs more than the rows it saves (README, "On a CPU without native bf16").
 
@@ -208,25 +226,32 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
         vocab_ids: [U] the token of each column of ``score``'s logits, or None for the whole vocabulary.
 
     Returns:
-        ([K, N] tokens, -1 at nodes not computed; the number of sample rows scored).
+        ([K, N] tokens, -1 at nodes not scored; the number of sample rows scored).
     """
     k, n = masks.shape[:2]
     tokens = torch.full((k, n), -1, dtype=torch.long, device=hidden.device)
-    reached = tree.depths == 0  # the root
+    deciding = deciding_nodes(tree, target_tokens)  # [N]
+
+    def reach() -> torch.Tensor:
+        """The verifier's own reach over the sets known so far ({undropped} U samples, as dropmatch_match)."""
+        accept_sets = torch.cat([target_tokens[:, None], tokens.T], dim=1)  # [N, K + 1]
+        return accepted_mask(tree.tokens, tree.parents, tree.ancestors, accept_sets)  # [N]
+
+    reached = reach()  # through the undropped tokens alone, for now
     rows = 0
     for depth in range(n - 1):  # over levels, never over nodes
-        frontier = reached & tree.has_children & (tree.depths == depth)  # [N]
-        if not bool(frontier.any()):
+        pending = reached & deciding & (tree.depths >= depth)  # [N]
+        if not bool(pending.any()):  # no sample left can change the path
             break
+        frontier = pending & (tree.depths == depth)  # [N]
+        if not bool(frontier.any()):  # a level of nodes that do not decide (only children, undropped)
+            continue
         samples = select_samples(hidden, masks, frontier, rescale)
         level, _ = tokens_of_samples(score(samples.inputs), samples, frontier, target_tokens, 0.0, 1.0, 0, None,
                                      vocab_ids=vocab_ids)  # [K, N], -1 outside the frontier
         tokens = torch.where(frontier[None], level, tokens)
         rows += samples.sample.shape[0]
-        # The verifier's own reach over the sets known so far ({undropped} U samples, as dropmatch_match): final
-        # down to depth + 1, since every reached node above has its samples now.
-        accept_sets = torch.cat([target_tokens[:, None], tokens.T], dim=1)  # [N, K + 1]
-        reached = accepted_mask(tree.tokens, tree.parents, tree.ancestors, accept_sets)
+        reached = reach()  # final down to depth + 1: every reached deciding node above has its samples now
     return tokens, rows
 
 
@@ -402,7 +427,7 @@ def agreement_counts(target_tokens: torch.Tensor, sample_tokens: torch.Tensor,
     Args:
         target_tokens: [N] undropped tokens.
         sample_tokens: [K, N] sample tokens.
-        counted: bool [N], the nodes whose sets decided something this round.
+        counted: bool [N], the nodes whose sets decided something this round (the path's deciding nodes).
 
     Returns:
         int64 [3]: positions counted, positions where all K samples equal the undropped token, total size

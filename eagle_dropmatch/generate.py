@@ -21,8 +21,8 @@ from transformers import DynamicCache
 from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, exact, longest_accepted_path,
                          make_rule, rejection_tokens)
 from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, check_sample_rows, check_shortlist,
-                        choose_protect, dropout_inputs, dropout_masks, lm_head_with_samples, reachable_sample_tokens,
-                        rescale_needed, shortlist_ids, shortlist_logits, tokens_of_samples)
+                        choose_protect, deciding_nodes, dropout_inputs, dropout_masks, lm_head_with_samples,
+                        reachable_sample_tokens, rescale_needed, shortlist_ids, shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
 from .verify import (LocalLayers, TargetLMHead, attention_chunk, cache_argument, check_tree_verification,
@@ -61,13 +61,15 @@ class Generation:
         exact_accept_lengths: what exact matching would have committed on the same trees.
         wall_time: seconds from the prefill's start to the last commit.
         stop_reason: "eos", "length" or "context".
-        verified_positions, agreeing_positions, accepted_set_total: DropMatch agreement counts.
+        verified_positions, agreeing_positions, accepted_set_total: DropMatch agreement counts over the
+            accepted paths' deciding nodes (``dropmatch.deciding_nodes``).
         dropout_p, protect: the DropMatch settings used (chosen per request with ``auto``), else None.
         calibration_time: seconds spent choosing them (next to the prefill's), 0 when fixed.
         prefill_time: seconds of the prompt's target forward.
         computed_samples: DropMatch sample rows sent through the LM head, over all rounds (of K x nodes
             with children, or with ``rows`` "reachable" of K x reached nodes with children; samples that drop
-            nothing are not computed where the argmax is all they give).
+            nothing are not computed where the argmax is all they give; "reachable" also skips nodes whose
+            every child is the undropped token, ``deciding_nodes``).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -373,7 +375,7 @@ class SpeculativeDecoder:
                                              accept_sets)  # [m + 1], root first
                 if dm.active:
                     counted = torch.zeros_like(tree.has_children)
-                    counted[path] = tree.has_children[path]  # verified nodes whose sets decided something
+                    counted[path] = deciding_nodes(tree, tokens)[path]  # path nodes whose sets decided something
                     agreement += agreement_counts(tokens, target_view.sample_tokens, counted)
                 new_tokens = torch.cat([tree.tokens[path[1:]], tokens[path[-1:]]])  # [m + 1]
                 fetched = [new_tokens, path]

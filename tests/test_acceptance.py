@@ -5,9 +5,9 @@ import torch
 
 from eagle_dropmatch.acceptance import (ARGMAX_BLOCK, DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         first_argmax, longest_accepted_path, process_logits, top_k_rule)
-from eagle_dropmatch.dropmatch import (DropMatchConfig, agreement_counts, dropout_inputs, dropout_masks,
-                                       lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
-                                       shortlist_logits, tokens_of_samples)
+from eagle_dropmatch.dropmatch import (DropMatchConfig, agreement_counts, deciding_nodes, dropout_inputs,
+                                       dropout_masks, lm_head_with_samples, reachable_sample_tokens, rescale_needed,
+                                       shortlist_ids, shortlist_logits, tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
 from eagle_dropmatch.verify import TargetLMHead
 
@@ -23,6 +23,7 @@ V = 10
 #            6
 PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2, 5])
 TOKENS = torch.tensor([9, 1, 2, 3, 4, 5, 6])
+CHAIN_FIRST_PARENTS = torch.tensor([-1, 0, 1, 1, 2, 3, 3])  # 0 -> 1 -> {2, 3}, 2 -> 4, 3 -> {5, 6}
 
 
 def forced_logits(next_tokens: list[int]) -> torch.Tensor:
@@ -155,18 +156,19 @@ def test_sampled_rows_subset_gives_the_same_decisions():
     assert torch.equal(all_rows, every_sample_argmax(hidden, weight, cfg, seed=3, rescale=True))
 
 
-def reachable_scenario(undropped: list[int], sample_token: int):
-    """``reachable_sample_tokens`` on the 7-node tree with every sample's argmax forced to ``sample_token``
-    (the score ignores its input) and masks that drop at least one dimension of every sample."""
-    hidden = torch.ones(7, 16)
-    masks = torch.ones(4, 7, 16)
+def reachable_scenario(undropped: list[int], sample_token: int, tree: DraftTree | None = None):
+    """``reachable_sample_tokens`` on the 7-node tree (or ``tree``) with every sample's argmax forced to
+    ``sample_token`` (the score ignores its input) and masks that drop at least one dimension of every sample."""
+    tree = tree or DraftTree.from_parents(TOKENS, PARENTS)
+    n = len(tree)
+    hidden = torch.ones(n, 16)
+    masks = torch.ones(4, n, 16)
     masks[..., 0] = 0  # every sample drops dimension 0: none is the undropped row
     scored = []
 
     def score(dropped):
         scored.append(dropped.shape[0])
         return forced_logits([sample_token] * dropped.shape[0])
-    tree = DraftTree.from_parents(TOKENS, PARENTS)
     tokens, rows = reachable_sample_tokens(hidden, masks, tree, torch.tensor(undropped), False, score)
     return tokens, rows, scored
 
@@ -190,24 +192,53 @@ def test_reachable_rows_follow_exact_and_sample_accepted_branches():
 
 def test_reachable_rows_go_deeper_through_a_sample_accepted_node():
     """Node 2 is reached only through the root's samples; its undropped token (5) then reaches node 5, whose
-    samples are scored at depth 2."""
+    samples are scored at depth 2. Node 2's own samples are not scored: its only child is its undropped
+    token, accepted whatever they say."""
     tokens, rows, scored = reachable_scenario([1, 7, 5, 0, 0, 0, 0], sample_token=2)
-    assert scored == [4, 8, 4] and rows == 16
-    assert (tokens[:, [0, 1, 2, 5]] == 2).all() and (tokens[:, [3, 4, 6]] == -1).all()
+    assert scored == [4, 4, 4] and rows == 12
+    assert (tokens[:, [0, 1, 5]] == 2).all() and (tokens[:, [2, 3, 4, 6]] == -1).all()
+
+
+def test_reachable_rows_skip_nodes_whose_only_child_is_the_undropped_token():
+    """The undropped tokens accept the chain 0 -> 2 -> 5 -> 6 alone (node 1 is not a root's sample: they all
+    say 8). Nodes 2 and 5 have one child each, their undropped token: nothing is scored below the root."""
+    tokens, rows, scored = reachable_scenario([2, 7, 5, 0, 0, 6, 0], sample_token=8)
+    assert scored == [4] and rows == 4
+    assert (tokens[:, 0] == 8).all() and (tokens[:, 1:] == -1).all()
+
+
+def test_reachable_rows_pass_a_root_whose_only_child_is_the_undropped_token():
+    """Chain 0 -> 1, then node 1 branches into 2 and 3. The root decides nothing (its only child is its
+    undropped token), yet node 1 is reached and decides: its samples are scored at depth 1, and accept 3."""
+    tree = DraftTree.from_parents(torch.tensor([9, 1, 2, 3]), torch.tensor([-1, 0, 1, 1]))
+    tokens, rows, scored = reachable_scenario([1, 2, 0, 0], sample_token=3, tree=tree)
+    assert scored == [4] and rows == 4
+    assert (tokens[:, 1] == 3).all() and (tokens[:, [0, 2, 3]] == -1).all()
+
+
+def test_deciding_nodes_have_a_child_other_than_the_undropped_token():
+    tree = DraftTree.from_parents(TOKENS, PARENTS)
+    # root: children 1, 2 (one differs); node 1: children 3, 4, undropped 3; node 2: only child 5 = undropped;
+    # node 5: only child 6, undropped 0; leaves never decide.
+    deciding = deciding_nodes(tree, torch.tensor([1, 3, 5, 9, 9, 0, 9]))
+    assert deciding.tolist() == [True, True, False, False, False, True, False]
 
 
 def test_reachable_rows_decide_as_all_rows_on_random_samples():
     """On random inputs and weights (masks shared), the reached nodes get the tokens the all-rows variant
-    gives them, the verifier picks the same path from either, and every node of the path with children (the
+    gives them, the verifier picks the same path from either, and every deciding node of the path (the
     agreement counts' nodes) is computed; over all trees, fewer rows are scored."""
     lazy_rows = all_rows = 0
     for seed in range(20):
         gen_data = torch.Generator().manual_seed(seed)
         hidden = torch.randn(7, 16, generator=gen_data, dtype=torch.float64)
         weight = torch.randn(V, 16, generator=gen_data, dtype=torch.float64)
-        tokens_tree = torch.randint(0, V, (7,), generator=gen_data)
-        tree = DraftTree.from_parents(tokens_tree, PARENTS)
+        parents = PARENTS if seed % 2 else CHAIN_FIRST_PARENTS
         undropped = first_argmax(hidden @ weight.T)
+        tokens_tree = torch.randint(0, V, (7,), generator=gen_data)
+        on_path = torch.rand(7, generator=gen_data) < 0.5  # half the nodes carry their parent's undropped token
+        tokens_tree[1:] = torch.where(on_path[1:], undropped[parents[1:]], tokens_tree[1:])
+        tree = DraftTree.from_parents(tokens_tree, parents)
         masks = dropout_masks(5, hidden, 0.3, 0, torch.Generator().manual_seed(seed), rescale=False)
         every = first_argmax(torch.einsum("knh,vh->knv", hidden[None] * masks, weight))  # [K, N]
         every = torch.where(tree.has_children[None], every, -1)
@@ -220,7 +251,7 @@ def test_reachable_rows_decide_as_all_rows_on_random_samples():
         computed = (lazy >= 0).any(0)
         assert torch.equal(lazy[:, computed], every[:, computed])
         path = paths[1]
-        assert computed[path][tree.has_children[path]].all()
+        assert computed[path][deciding_nodes(tree, undropped)[path]].all()
         lazy_rows, all_rows = lazy_rows + rows, all_rows + 5 * int(tree.has_children.sum())
     assert lazy_rows < all_rows
 
