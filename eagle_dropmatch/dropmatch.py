@@ -20,12 +20,13 @@ over the LM head.
 
 With ``rows`` "reachable" (the match rule at T = 0 only) the samples leave that matmul too: after it, the
 undropped tokens are known, and ``reachable_sample_tokens`` scores, level by level from the root, only the
-samples of nodes reached so far (every token on their path accepted) that have children. Those are the only
-samples the accepted path can depend on, so the decisions are those of "all", from fewer rows but in up to
-depth products, each a pass over W: a gain where an LM-head row costs more than such a pass (a CPU that
-emulates bf16 arithmetic), a loss where a pass costs more than the rows it saves (a CPU with native bf16,
-where reading W dominates; fp32 on an AVX2-only CPU, where a product of a few rows is slow; expected on a
-GPU, not measured). README, "On a CPU without native bf16", measures both.
+samples of nodes reached so far (every token on their path accepted) that have a child other than their
+undropped token (``deciding_nodes``). Those are the only samples the accepted path can depend on, so the
+decisions are those of "all", from fewer rows but in up to depth products, each a pass over W: a gain where
+an LM-head row costs more than such a pass (a CPU that emulates bf16 arithmetic, or fbgemm's fp16 kernel,
+which reads W once per 6 rows), a loss where a pass costs more than the rows it saves (a CPU with native
+bf16, where reading W dominates; fp32 on an AVX2-only CPU, where a product of a few rows is slow; expected on
+a GPU, not measured). README, "On a CPU without native bf16", measures both.
 
 With ``shortlist`` M > 0 (the match rule at T = 0 only) the samples skip that matmul: their logits are
 computed after it, over a shortlist of token ids (``shortlist_ids``: each decision node's M best undropped
@@ -244,7 +245,7 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
         if not bool(pending.any()):  # no sample left can change the path
             break
         frontier = pending & (tree.depths == depth)  # [N]
-        if not bool(frontier.any()):  # a level of nodes that do not decide (only children, undropped)
+        if not bool(frontier.any()):  # no reached node here decides: only children, their undropped tokens
             continue
         samples = select_samples(hidden, masks, frontier, rescale)
         level, _ = tokens_of_samples(score(samples.inputs), samples, frontier, target_tokens, 0.0, 1.0, 0, None,
