@@ -106,7 +106,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.total_token is None:
         args.total_token = default_total_token(kernel)
     if args.dropmatch_rows is None:
-        args.dropmatch_rows = default_dropmatch_rows(kernel, args.dropmatch_k, args.dropmatch_rule, args.temperature)
+        args.dropmatch_rows = default_dropmatch_rows(kernel, args.dropmatch_k, args.dropmatch_rule, args.temperature,
+                                                     args.dropmatch_shortlist)
     if args.draft_model_path and (args.ea_model_path or args.baseline):
         raise UsageError("--draft-model-path (standard speculative decoding) excludes --ea-model-path and "
                          "--baseline")

@@ -247,16 +247,17 @@ def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, ca
 
 def test_dropmatch_scores_reachable_rows_by_default_on_the_fp16_kernel(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """On fbgemm's fp16 kernel (it reads the weight once per 6 rows) DropMatch's samples are scored level by level
-    by default, where the rule allows it (match, temperature 0); elsewhere, with sampling or with DropMatch off,
-    they are stacked ("all"); a given --dropmatch-rows wins. The meta records the rows used, and the Python API
-    picks the same."""
+    by default, where the rule allows it (match, temperature 0) and no shortlist is asked for; elsewhere, with
+    sampling, a shortlist or DropMatch off, they are stacked ("all"); a given --dropmatch-rows wins. The meta
+    records the rows used, and the Python API picks the same."""
     import eagle_dropmatch.generate as engine
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.loading import default_dropmatch_rows, load
     assert default_dropmatch_rows("fp16", 5, "match", 0.0) == "reachable"
     assert {default_dropmatch_rows("fp16", 0, "match", 0.0), default_dropmatch_rows("fp16", 5, "match", 0.7),
             default_dropmatch_rows("fp16", 5, "topk", 0.0), default_dropmatch_rows("onednn", 5, "match", 0.0),
-            default_dropmatch_rows(None, 5, "match", 0.0)} == {"all"}
+            default_dropmatch_rows(None, 5, "match", 0.0),
+            default_dropmatch_rows("fp16", 5, "match", 0.0, shortlist=64)} == {"all"}
     d = tiny_model_dir
     here = "reachable" if packing_kernel() == "fp16" else "all"
     dm = ["--dropmatch-k", "5", "--dropout-p", "0.3"]
@@ -264,6 +265,7 @@ def test_dropmatch_scores_reachable_rows_by_default_on_the_fp16_kernel(tiny_mode
                               ("bf16", ["--dtype", "bfloat16", *dm], here),
                               ("bf16-t", ["--dtype", "bfloat16", *dm, "--temperature", "0.7"], "all"),
                               ("bf16-off", ["--dtype", "bfloat16"], "all"),
+                              ("bf16-sl", ["--dtype", "bfloat16", *dm, "--dropmatch-shortlist", "4"], "all"),
                               ("bf16-all", ["--dtype", "bfloat16", *dm, "--dropmatch-rows", "all"], "all")):
         assert meta_of_one_answer(d, tmp_path / f"{name}.jsonl", flags, capsys)["dropmatch_rows"] == rows, name
     model = load(d / "target", d / "head", dtype="bfloat16")
@@ -275,4 +277,5 @@ def test_dropmatch_scores_reachable_rows_by_default_on_the_fp16_kernel(tiny_mode
     assert bool(calls) == (model.kernel == "fp16")
     calls.clear()
     model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3, dropmatch_rows="all")
+    model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3, dropmatch_shortlist=4)
     assert not calls
