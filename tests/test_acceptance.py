@@ -225,9 +225,10 @@ def test_deciding_nodes_have_a_child_other_than_the_undropped_token():
 
 
 def test_reachable_rows_decide_as_all_rows_on_random_samples():
-    """On random inputs and weights (masks shared), the reached nodes get the tokens the all-rows variant
-    gives them, the verifier picks the same path from either, and every deciding node of the path (the
-    agreement counts' nodes) is computed; over all trees, fewer rows are scored."""
+    """On random inputs and weights (masks shared), on two tree shapes (one whose root has an only child) with
+    half the nodes carrying their parent's undropped token (so that many nodes do not decide), the scored
+    nodes get the tokens the all-rows variant gives them, the verifier picks the same path from either, and
+    every deciding node of the path (the agreement counts' nodes) is scored; over all trees, fewer rows are."""
     lazy_rows = all_rows = 0
     for seed in range(20):
         gen_data = torch.Generator().manual_seed(seed)
