@@ -203,7 +203,8 @@ def deciding_nodes(tree, target_tokens: torch.Tensor) -> torch.Tensor:
 
 
 def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
-                            rescale: bool, score, vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                            deciding: torch.Tensor, rescale: bool, score,
+                            vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The match rule's sample tokens, computed only where they can be used: at reached deciding nodes.
 
     A node's samples can change the accepted path only if the node is reached (every token on its path is
@@ -222,6 +223,7 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
         masks: [K, N, H] dropout multipliers (``dropout_masks``).
         tree: the ``DraftTree`` (tokens, parents, depths, has_children).
         target_tokens: [N] the undropped argmax tokens.
+        deciding: bool [N], ``deciding_nodes(tree, target_tokens)`` (the engine also counts agreement on it).
         rescale: whether the masks carry 1/(1 - p) (``rescale_needed``).
         score: [P, H] dropped inputs -> [P, V] logits (or [P, U] over ``vocab_ids``).
         vocab_ids: [U] the token of each column of ``score``'s logits, or None for the whole vocabulary.
@@ -231,7 +233,6 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     """
     k, n = masks.shape[:2]
     tokens = torch.full((k, n), -1, dtype=torch.long, device=hidden.device)
-    deciding = deciding_nodes(tree, target_tokens)  # [N]
 
     def reach() -> torch.Tensor:
         """The verifier's own reach over the sets known so far ({undropped} U samples, as dropmatch_match)."""
@@ -241,12 +242,11 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     reached = reach()  # through the undropped tokens alone, for now
     rows = 0
     for depth in range(n - 1):  # over levels, never over nodes
-        pending = reached & deciding & (tree.depths >= depth)  # [N]
-        if not bool(pending.any()):  # no sample left can change the path
-            break
-        frontier = pending & (tree.depths == depth)  # [N]
-        if not bool(frontier.any()):  # no reached node here decides: only children, their undropped tokens
-            continue
+        frontier = reached & deciding & (tree.depths == depth)  # [N]
+        if not bool(frontier.any()):  # one host sync per level that scores, two per level that does not
+            if not bool((reached & deciding & (tree.depths > depth)).any()):  # no sample left can change the path
+                break
+            continue  # no reached node here decides (only children, their undropped tokens); deeper ones may
         samples = select_samples(hidden, masks, frontier, rescale)
         level, _ = tokens_of_samples(score(samples.inputs), samples, frontier, target_tokens, 0.0, 1.0, 0, None,
                                      vocab_ids=vocab_ids)  # [K, N], -1 outside the frontier

@@ -352,6 +352,7 @@ class SpeculativeDecoder:
                                      sample_top_k=cfg.sample_top_k)
             if dm.active:
                 with timer.section("dropmatch"):
+                    deciding = deciding_nodes(tree, tokens)  # [N] nodes whose samples can change the path
                     vocab_ids = None
                     if shortlisted:  # the samples' logits over U shortlisted tokens only
                         vocab_ids = shortlist_ids(logits, tree.has_children, tree.tokens, dm.shortlist)  # [U]
@@ -359,7 +360,7 @@ class SpeculativeDecoder:
                         score = (partial(shortlist_logits, self.lm_head, ids=vocab_ids) if shortlisted
                                  else partial(lm_head_logits, self.lm_head))
                         target_view.sample_tokens, rows = reachable_sample_tokens(
-                            hidden, masks, tree, tokens, rescale, score, vocab_ids)  # [K, N]
+                            hidden, masks, tree, tokens, deciding, rescale, score, vocab_ids)  # [K, N]
                         result.computed_samples += rows
                     else:
                         if shortlisted:
@@ -375,7 +376,7 @@ class SpeculativeDecoder:
                                              accept_sets)  # [m + 1], root first
                 if dm.active:
                     counted = torch.zeros_like(tree.has_children)
-                    counted[path] = deciding_nodes(tree, tokens)[path]  # path nodes whose sets decided something
+                    counted[path] = deciding[path]  # path nodes whose sets decided something
                     agreement += agreement_counts(tokens, target_view.sample_tokens, counted)
                 new_tokens = torch.cat([tree.tokens[path[1:]], tokens[path[-1:]]])  # [m + 1]
                 fetched = [new_tokens, path]

@@ -169,7 +169,9 @@ def reachable_scenario(undropped: list[int], sample_token: int, tree: DraftTree 
     def score(dropped):
         scored.append(dropped.shape[0])
         return forced_logits([sample_token] * dropped.shape[0])
-    tokens, rows = reachable_sample_tokens(hidden, masks, tree, torch.tensor(undropped), False, score)
+    undropped = torch.tensor(undropped)
+    tokens, rows = reachable_sample_tokens(hidden, masks, tree, undropped, deciding_nodes(tree, undropped), False,
+                                           score)
     return tokens, rows, scored
 
 
@@ -243,7 +245,8 @@ def test_reachable_rows_decide_as_all_rows_on_random_samples():
         masks = dropout_masks(5, hidden, 0.3, 0, torch.Generator().manual_seed(seed), rescale=False)
         every = first_argmax(torch.einsum("knh,vh->knv", hidden[None] * masks, weight))  # [K, N]
         every = torch.where(tree.has_children[None], every, -1)
-        lazy, rows = reachable_sample_tokens(hidden, masks, tree, undropped, False, lambda x: x @ weight.T)
+        deciding = deciding_nodes(tree, undropped)
+        lazy, rows = reachable_sample_tokens(hidden, masks, tree, undropped, deciding, False, lambda x: x @ weight.T)
         paths = []
         for samples in (every, lazy):
             sets = dropmatch_match(TargetView(None, undropped, samples), DraftView(tree.tokens, tree.parents))
@@ -252,7 +255,7 @@ def test_reachable_rows_decide_as_all_rows_on_random_samples():
         computed = (lazy >= 0).any(0)
         assert torch.equal(lazy[:, computed], every[:, computed])
         path = paths[1]
-        assert computed[path][deciding_nodes(tree, undropped)[path]].all()
+        assert computed[path][deciding[path]].all()
         lazy_rows, all_rows = lazy_rows + rows, all_rows + 5 * int(tree.has_children.sum())
     assert lazy_rows < all_rows
 
