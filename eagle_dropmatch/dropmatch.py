@@ -28,6 +28,18 @@ which reads W once per 6 rows), a loss where a pass costs more than the rows it 
 bf16, where reading W dominates; fp32 on an AVX2-only CPU, where a product of a few rows is slow; expected on
 a GPU, not measured). README, "On a CPU without native bf16", measures both.
 
+With ``rows`` "contested" (the match rule at T = 0 only) most samples are never scored. A sample accepts a
+child other than its node's undropped token u only if that child is the sample's argmax, so its logit must
+be at least the sample's logit for u, for the node's other high-scoring undropped tokens (``rival_tokens``)
+and for its siblings. Those few logits cost dot products, not a pass over the vocabulary, so
+``contested_children`` tests every (sample, child) pair at once, in fp32 with a slack that bounds the
+scorer's rounding (``contest_slack``). ``contested_sample_tokens`` then scores, in one product, the samples
+with a passing child at nodes that passing children and undropped tokens can reach: the path is that of
+"all", from about 1 row per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8. The
+other samples' tokens stay unknown, so agreement is not measured. The rounds that do score a row (about 31%
+of them at least: those where a sample really accepts a child) still pay a pass over W, which no bound
+avoids here (dropout at p = 0.3 moves a logit by far more than the gaps between the best tokens).
+
 With ``shortlist`` M > 0 (the match rule at T = 0 only) the samples skip that matmul: their logits are
 computed after it, over a shortlist of token ids (``shortlist_ids``: each decision node's M best undropped
 tokens and every draft token), against the gathered rows of W (``shortlist_logits``). A sample's token is
@@ -45,11 +57,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import accepted_mask, choose_tokens
+from .acceptance import accepted_mask, choose_tokens, first_argmax
 from .verify import TargetLMHead, lm_head_logits
 
 
-SAMPLE_ROWS = ("all", "reachable")
+SAMPLE_ROWS = ("all", "reachable", "contested")
 
 
 @dataclass(frozen=True)
@@ -70,8 +82,10 @@ class DropMatchConfig:
         shortlist: M > 0 scores the samples over a shortlist (each decision node's M best undropped tokens
             and the draft tokens) instead of the whole vocabulary; match rule at T = 0 only; 0 = full.
         rows: which samples go through the LM head: "all" (every node with children, stacked into the
-            undropped rows' matmul) or "reachable" (level by level, only at nodes reached so far:
-            ``reachable_sample_tokens``; match rule at T = 0). The same decisions either way.
+            undropped rows' matmul), "reachable" (level by level, only at nodes reached so far:
+            ``reachable_sample_tokens``) or "contested" (only where a child may be the sample's argmax:
+            ``contested_sample_tokens``; agreement unmeasured); the last two need the match rule at T = 0.
+            The same decisions either way.
     """
 
     k: int = 0
@@ -176,13 +190,13 @@ def select_samples(hidden: torch.Tensor, masks: torch.Tensor, nodes: torch.Tenso
 
 
 def check_sample_rows(cfg: DropMatchConfig, temperature: float) -> None:
-    """``rows`` is "all" or "reachable"; "reachable" computes the samples level by level, which keeps the
+    """``rows`` is one of ``SAMPLE_ROWS``; "reachable" and "contested" score only some samples, which keeps the
     decisions of "all" only where a sample's token is its argmax: the match rule at T = 0. Raises ValueError."""
     if cfg.rows not in SAMPLE_ROWS:
         raise ValueError(f"dropmatch-rows must be one of {', '.join(SAMPLE_ROWS)}, got {cfg.rows!r}")
-    if cfg.rows == "reachable" and cfg.active and (temperature > 0 or cfg.rule != "match"):
-        raise ValueError("dropmatch-rows reachable decides level by level from each sample's argmax, so it "
-                         "needs the match rule at temperature 0: use --dropmatch-rows all")
+    if cfg.rows != "all" and cfg.active and (temperature > 0 or cfg.rule != "match"):
+        raise ValueError(f"dropmatch-rows {cfg.rows} scores only the samples whose argmax can change the path, "
+                         "so it needs the match rule at temperature 0: use --dropmatch-rows all")
 
 
 def deciding_nodes(tree, target_tokens: torch.Tensor) -> torch.Tensor:
@@ -254,6 +268,157 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
         rows += samples.sample.shape[0]
         reached = reach()  # final down to depth + 1: every reached deciding node above has its samples now
     return tokens, rows
+
+
+CONTEST_RIVALS = 8  # each node's best undropped tokens that a contesting child must match under the mask
+
+
+def contest_slack(size: torch.Tensor, products: torch.Tensor, hidden_size: int, dtype: torch.dtype,
+                  steps: int) -> torch.Tensor:
+    """How far below a rival's logit a child's fp32 logit may be and still be the scorer's argmax.
+
+    The scorer's logits differ from exact ones by its roundings to ``dtype`` (``steps`` of them, each at most
+    half a unit in the last place: 2^-8 of the value in bf16) and by its fp32 accumulation over H terms (at
+    most H x 2^-24 of the terms' absolute sum; that also covers fbgemm's fp16 copy of the weight, whose
+    subnormals are off by at most 2^-25). Both logits can be off by that much, this test's own fp32 sums by
+    as much as the scorer's, and the bound is doubled for safety.
+
+    Args:
+        size: [...] the rival's logit magnitude (and the raw logits' where a transform follows the head): a
+            child that fails the test is below the rival by more than the slack, so its own magnitude
+            exceeds the rival's by at most that gap, which the doubling covers.
+        products: [...] a bound on the sum over both logits of |input| . |row| (their accumulations' scale).
+        hidden_size: H, the terms of each sum.
+        dtype: the scorer's output dtype (the model's).
+        steps: the roundings in that dtype (``TargetLMHead.rounding_steps``).
+    """
+    unit = torch.finfo(dtype).eps / 2  # half a unit in the last place, relative
+    fp32 = torch.finfo(torch.float32).eps / 2
+    return (4 * steps * unit) * size + (4 * (hidden_size + 1) * fp32) * products
+
+
+RIVAL_BLOCK = 512
+
+
+def rival_tokens(logits: torch.Tensor, target_tokens: torch.Tensor, m: int) -> torch.Tensor:
+    """[N, V] undropped logits -> [N, M + 1] high-scoring tokens per row, the undropped token first.
+
+    Rivals need not be the exact top M (any tokens the scorer scores will do), so they are found the cheap
+    way: the best token of each of the M blocks of ``RIVAL_BLOCK`` ids with the highest maxima (on this
+    CPU a ``topk`` over the vocabulary costs 0.35-0.5 ms for 6 rows, this about a third of it).
+    """
+    n, v = logits.shape
+    blocks = v // RIVAL_BLOCK
+    if blocks < m:  # a small vocabulary: its exact top M
+        top = logits.topk(min(m, v), dim=-1).indices
+    else:
+        whole = logits[:, :blocks * RIVAL_BLOCK].view(n, blocks, RIVAL_BLOCK)  # a partial last block is left out
+        best_blocks = whole.amax(dim=-1).topk(m, dim=-1).indices  # [N, M]
+        inside = whole[torch.arange(n, device=logits.device)[:, None], best_blocks].max(dim=-1).indices
+        top = best_blocks * RIVAL_BLOCK + inside  # [N, M]
+    return torch.cat([target_tokens[:, None], top], dim=1)
+
+
+def contested_children(hidden: torch.Tensor, masks: torch.Tensor, tree, rivals: torch.Tensor,
+                       lm_head: TargetLMHead) -> torch.Tensor:
+    """Which children could be which samples' argmax, judged from a few logits per sample.
+
+    A sample at node n accepts a child c that is not n's undropped token only if c is the sample's argmax;
+    then the sample's logit for c is at least its logit for every other token, in particular for n's
+    ``rivals`` (high-scoring undropped tokens) and for c's siblings. Those logits
+    cost a few dot products per sample, not a pass over the vocabulary, so the test runs for every sample
+    of every node at once. It is computed in fp32 from the LM head's own rows, and a child passes when its
+    logit is within ``contest_slack`` of the best rival's, which bounds what the scorer's own rounding can
+    change: a child that fails here is not the argmax the scorer would give (assuming the scorer
+    accumulates in fp32, as the CPU kernels and cuBLAS's default bf16/fp16 products do).
+
+    Args:
+        hidden: [N, H] undropped LM-head inputs of the tree nodes.
+        masks: [K, N, H] dropout multipliers (``dropout_masks``).
+        tree: the ``DraftTree`` (tokens, parents).
+        rivals: [N, R] token ids per node, all among the tokens the samples are scored over (the vocabulary,
+            or a shortlist).
+        lm_head: the target's LM head (weight [V, H], bias, logit transform).
+
+    Returns:
+        bool [K, N - 1]: for every sample and every non-root node j, whether j's token could be the argmax
+        of that parent's sample (a child that carries a rival's token may pass trivially). No host
+        synchronisation.
+    """
+    k, n, h = masks.shape
+    parents, children = tree.parents[1:], tree.tokens[1:]  # [N - 1]
+    ids = torch.cat([children, rivals.flatten()])  # [C]: the children, then every node's rivals
+    x = (hidden[None] * masks).float()  # [K, N, H], exactly the scorer's inputs
+    rows = lm_head.weight.index_select(0, ids).float()  # [C, H]
+    raw = (x.view(k * n, h) @ rows.T).view(k, n, -1)  # [K, N, C]: every sample against every token
+    if lm_head.bias is not None:
+        raw = raw + lm_head.bias.index_select(0, ids).float()
+    logit = lm_head.transform(raw)
+    at_parent = logit[:, parents, :n - 1]  # [K, N - 1, N - 1]: each child's parent's samples, the children
+    child = at_parent.diagonal(dim1=1, dim2=2)  # [K, N - 1]
+    siblings = parents[:, None] == parents[None, :]  # [N - 1, N - 1], a child among them
+    best = at_parent.masked_fill(~siblings, -torch.inf).amax(dim=-1)  # [K, N - 1], the best sibling
+    rival = logit[..., n - 1:].view(k, n, n, -1).diagonal(dim1=1, dim2=2).amax(dim=1)  # [K, N], own rivals
+    best = torch.maximum(best, rival[:, parents])
+    size = best.abs()  # a child that fails is below the best rival, so |child| <= |best| + the gap: enough
+    if lm_head.rounding_steps > 1:  # a transform: the raw logits' rounding counts too
+        size = torch.maximum(size, raw.abs().amax(dim=-1)[:, parents])
+    products = x.norm(dim=-1)[:, parents] * (2 * rows.norm(dim=-1).amax())  # >= |x| . (|w_c| + |w_best|)
+    slack = contest_slack(size, products, h, hidden.dtype, lm_head.rounding_steps)
+    return child >= best - slack  # [K, N - 1]
+
+
+def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
+                            logits: torch.Tensor, lm_head: TargetLMHead, rescale: bool, score,
+                            vocab_ids: torch.Tensor | None = None,
+                            rivals: int = CONTEST_RIVALS) -> tuple[torch.Tensor, int]:
+    """The match rule's sample tokens, scored only where a child could be the sample's argmax.
+
+    ``contested_children`` rules out most (sample, child) pairs from a few logits (each node's ``rivals``
+    best undropped tokens). A sample that no child passes cannot accept any child the undropped token does
+    not, so it is not scored. A child that passes may be accepted, so nodes below it may be reached: the
+    samples with a passing child, at nodes reached through undropped tokens and passing children (a
+    superset of the nodes the exact rule reaches), are scored, all in one product. So every sample that can
+    change the path is scored, and the path is the one "all" gives; the other samples' tokens are not
+    known (-1), so agreement is not measured.
+
+    Args:
+        hidden: [N, H] undropped LM-head inputs of the tree nodes.
+        masks: [K, N, H] dropout multipliers (``dropout_masks``).
+        tree: the ``DraftTree`` (tokens, parents, ancestors).
+        target_tokens: [N] the undropped argmax tokens.
+        logits: [N, V] the undropped logits (each node's best ``rivals`` tokens are its rivals).
+        lm_head: the target's LM head, for ``contested_children``.
+        rescale: whether the masks carry 1/(1 - p) (``rescale_needed``).
+        score: [P, H] dropped inputs -> [P, V] logits (or [P, U] over ``vocab_ids``).
+        vocab_ids: [U] the token of each column of ``score``'s logits, or None for the whole vocabulary.
+        rivals: M, how many high-scoring undropped tokens of each node a child is compared with
+            (``rival_tokens``; with ``vocab_ids``, those outside the shortlist are replaced by one inside).
+
+    Returns:
+        ([K, N] tokens, -1 where not scored; the number of sample rows scored).
+    """
+    k, n = masks.shape[:2]
+    parents = tree.parents[1:]  # [N - 1]
+    tokens = torch.full((k, n), -1, dtype=torch.long, device=hidden.device)
+    contest = (tree.tokens[1:] != target_tokens[parents])[None].expand(k, -1)  # [K, N - 1] children not u
+    if not rescale:  # a sample that drops nothing is the undropped row: its argmax is u (amin: faster than any)
+        contest = contest & (masks.amin(dim=-1)[:, parents] == 0)
+    if not bool(contest.any()):  # a host sync; with --dropout-p auto most rounds stop here
+        return tokens, 0
+    rival_ids = rival_tokens(logits, target_tokens, rivals)  # [N, M + 1]
+    if vocab_ids is not None:  # a rival must be one of the tokens scored: else the shortlist's first token
+        rival_ids = torch.where(torch.isin(rival_ids, vocab_ids), rival_ids, vocab_ids[0])
+    contest = contest & contested_children(hidden, masks, tree, rival_ids, lm_head)  # [K, N - 1]
+    passing = torch.cat([contest.new_ones(1), (tree.tokens[1:] == target_tokens[parents]) | contest.any(dim=0)])
+    maybe_reached = ~(tree.ancestors & ~passing[None]).any(dim=-1)  # [N], a superset of the exact reach
+    contested = torch.zeros((k, n), dtype=torch.long, device=hidden.device).index_add_(
+        1, parents, contest.long()) > 0  # [K, N], samples with a passing child
+    sample, node = (contested & maybe_reached[None]).nonzero(as_tuple=True)  # [P]; a host sync
+    if sample.shape[0]:
+        chosen = first_argmax(score(hidden[node] * masks[sample, node]))  # [P]
+        tokens[sample, node] = chosen if vocab_ids is None else vocab_ids[chosen]
+    return tokens, sample.shape[0]
 
 
 def lm_head_with_samples(lm_head: TargetLMHead, hidden: torch.Tensor,

@@ -68,12 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dropmatch-shortlist", type=int, default=0, metavar="M",
       help="score DropMatch's samples over each node's M best undropped tokens and the draft tokens instead "
            "of the whole vocabulary (match rule, temperature 0; 0 = whole vocabulary)")
-    a("--dropmatch-rows", choices=["all", "reachable"],
+    a("--dropmatch-rows", choices=["all", "reachable", "contested"],
       help="which DropMatch samples go through the LM head: all (every node with children, stacked into the "
-           "undropped rows' matmul) or reachable (level by level, only nodes reached so far: fewer rows, more "
-           "passes; faster where LM-head rows are expensive, e.g. a CPU without native bf16). Same decisions; "
-           "reachable needs the match rule at temperature 0. Default: reachable where it applies and the linear "
-           "layers run on fbgemm's fp16 kernel, else all")
+           "undropped rows' matmul), reachable (level by level, only nodes reached so far: fewer rows, more "
+           "passes) or contested (only samples under whose mask a child may beat the node's best undropped "
+           "tokens, judged from a few logits each: fewest rows, one product; agreement is not measured). Same "
+           "decisions; reachable and contested need the match rule at temperature 0. Default: contested where "
+           "it applies and the linear layers run on fbgemm's fp16 kernel (LM-head rows are expensive there), "
+           "else all")
     a("--seed", type=int, default=0)
     a("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     a("--device", default="cpu", help="cpu, cuda, cuda:N or auto (accelerate device_map)")

@@ -21,8 +21,8 @@ from transformers import DynamicCache
 from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, exact, longest_accepted_path,
                          make_rule, rejection_tokens)
 from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, check_sample_rows, check_shortlist,
-                        choose_protect, deciding_nodes, dropout_inputs, dropout_masks, lm_head_with_samples,
-                        reachable_sample_tokens, rescale_needed, shortlist_ids, shortlist_logits, tokens_of_samples)
+                        choose_protect, contested_sample_tokens, deciding_nodes, dropout_inputs, dropout_masks,
+                        lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids, shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
 from .verify import (LocalLayers, TargetLMHead, attention_chunk, cache_argument, check_tree_verification,
@@ -62,14 +62,16 @@ class Generation:
         wall_time: seconds from the prefill's start to the last commit.
         stop_reason: "eos", "length" or "context".
         verified_positions, agreeing_positions, accepted_set_total: DropMatch agreement counts over the
-            accepted paths' deciding nodes (``dropmatch.deciding_nodes``).
+            accepted paths' deciding nodes (``dropmatch.deciding_nodes``); 0 with ``rows`` "contested",
+            which leaves most samples' tokens unknown (agreement then None).
         dropout_p, protect: the DropMatch settings used (chosen per request with ``auto``), else None.
         calibration_time: seconds spent choosing them (next to the prefill's), 0 when fixed.
         prefill_time: seconds of the prompt's target forward.
         computed_samples: DropMatch sample rows sent through the LM head, over all rounds (of K x nodes
-            with children, or with ``rows`` "reachable" of K x reached nodes with children; samples that drop
-            nothing are not computed where the argmax is all they give; "reachable" also skips nodes whose
-            every child is the undropped token, ``deciding_nodes``).
+            with children, or with ``rows`` "reachable" of K x reached nodes with children, or with
+            "contested" of the samples a child may win; samples that drop nothing are not computed where the
+            argmax is all they give; "reachable" also skips nodes whose every child is the undropped token,
+            ``deciding_nodes``).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -289,7 +291,7 @@ class SpeculativeDecoder:
         check_shortlist(dm, cfg.temperature)
         check_sample_rows(dm, cfg.temperature)
         shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
-        level_by_level = dm.rows == "reachable"  # samples scored after the LM head, only where reached
+        selective = dm.rows != "all"  # samples scored after the LM head, only those that can change the path
         aux = self.aux_layer_ids if drafter.needs_features else None
         prompt = self._check_prompt(input_ids)
         gen = _new_generator(self.device, cfg.seed)
@@ -335,7 +337,7 @@ class SpeculativeDecoder:
             samples = masks = None
             if dm.active:  # only samples at nodes with children can matter (no draft is matched elsewhere)
                 with timer.section("dropmatch"):
-                    if level_by_level:  # the masks now; which samples are computed is known level by level
+                    if selective:  # the masks now; which samples are computed is known after the LM head
                         masks = dropout_masks(dm.k, hidden, dm.p, dm.protect, dm_gen, rescale)  # [K, N, H]
                     else:
                         samples = dropout_inputs(hidden, tree.has_children, dm, dm_gen, rescale)  # P of K x N
@@ -356,11 +358,15 @@ class SpeculativeDecoder:
                     vocab_ids = None
                     if shortlisted:  # the samples' logits over U shortlisted tokens only
                         vocab_ids = shortlist_ids(logits, tree.has_children, tree.tokens, dm.shortlist)  # [U]
-                    if level_by_level:  # score: [P, H] -> [P, V], or [P, U] over the shortlist
+                    if selective:  # score: [P, H] -> [P, V], or [P, U] over the shortlist
                         score = (partial(shortlist_logits, self.lm_head, ids=vocab_ids) if shortlisted
                                  else partial(lm_head_logits, self.lm_head))
-                        target_view.sample_tokens, rows = reachable_sample_tokens(
-                            hidden, masks, tree, tokens, deciding, rescale, score, vocab_ids)  # [K, N]
+                        if dm.rows == "contested":  # where a child may be a sample's argmax, in one product
+                            target_view.sample_tokens, rows = contested_sample_tokens(
+                                hidden, masks, tree, tokens, logits, self.lm_head, rescale, score, vocab_ids)
+                        else:  # level by level, at reached nodes that decide
+                            target_view.sample_tokens, rows = reachable_sample_tokens(
+                                hidden, masks, tree, tokens, deciding, rescale, score, vocab_ids)  # [K, N]
                         result.computed_samples += rows
                     else:
                         if shortlisted:
@@ -374,7 +380,7 @@ class SpeculativeDecoder:
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))
                 path = longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
                                              accept_sets)  # [m + 1], root first
-                if dm.active:
+                if dm.active and dm.rows != "contested":  # contested rows leave most sample tokens unknown
                     counted = torch.zeros_like(tree.has_children)
                     counted[path] = deciding[path]  # path nodes whose sets decided something
                     agreement += agreement_counts(tokens, target_view.sample_tokens, counted)

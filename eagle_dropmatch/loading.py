@@ -191,9 +191,10 @@ class EagleModel:
         loaded, else "eagle3". ``dropmatch_rule``: "match", "js" (chains only) or "topk"
         (``rule_top_k``). ``dropmatch_shortlist`` M > 0 scores the samples over each decision node's M best
         undropped tokens and the draft tokens (match rule, temperature 0). ``dropmatch_rows`` "reachable"
-        scores the samples level by level, only at nodes reached so far (the same decisions as "all", which
-        stacks every node's samples into one LM-head matmul; match rule, temperature 0); by default
-        ``default_dropmatch_rows`` of the layers' kernel. Every lossy setting is lossy even at temperature 0.
+        scores the samples level by level, only at nodes reached so far, and "contested" only those under
+        whose mask a child may be the argmax (the same decisions as "all", which stacks every node's samples
+        into one LM-head matmul; match rule, temperature 0); by default ``default_dropmatch_rows`` of the
+        layers' kernel. Every lossy setting is lossy even at temperature 0.
         """
         if dropmatch_rows is None:
             dropmatch_rows = default_dropmatch_rows(self.kernel, dropmatch_k, dropmatch_rule, temperature,
@@ -249,17 +250,19 @@ def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temp
                            shortlist: int = 0) -> str:
     """How DropMatch's samples go through the LM head when not given (``DropMatchConfig.rows``).
 
-    "reachable" (level by level, only at reached nodes that decide; the same decisions) on fbgemm's fp16
-    kernel, where DropMatch is on over the whole vocabulary and the rule allows it (match, temperature 0):
-    that kernel reads the LM head's weight once per 6 rows, so the samples stacked under the tree's rows cost
-    passes, and scoring fewer of them in a few small products costs fewer (README, "On a CPU without native
-    bf16"). "all" (every node's samples stacked into the tree's matmul, the weight read once) elsewhere,
-    where a stacked row costs a little arithmetic, and with a shortlist, whose products over gathered rows
-    cost less than a level-by-level loop saves (2.84% of a round against 3.42% at M = 64, stop 28).
+    "contested" (only the samples under whose mask a child may be the argmax, in one product; the same
+    decisions) on fbgemm's fp16 kernel, where DropMatch is on over the whole vocabulary and the rule allows
+    it (match, temperature 0): that kernel reads the LM head's weight once per 6 rows, so every sample row
+    costs, and contested scores about 1 per round where level by level ("reachable") scores 8 and stacking
+    ("all") 16.6: 5.1% of a round against 12.4% and 19.0% (README, "On a CPU without native bf16"). "all"
+    (every node's samples stacked into the tree's matmul, the weight read once) elsewhere, where a stacked
+    row costs a little arithmetic (not measured against contested there), and with a shortlist, whose
+    products over gathered rows cost less than selecting them saves (2.84% of a round against 3.42% level by
+    level at M = 64, stop 28).
     """
-    level_by_level = (kernel == "fp16" and dropmatch_k > 0 and rule == "match" and temperature == 0
-                      and shortlist == 0)
-    return "reachable" if level_by_level else "all"
+    selective = (kernel == "fp16" and dropmatch_k > 0 and rule == "match" and temperature == 0
+                 and shortlist == 0)
+    return "contested" if selective else "all"
 
 
 def check_tree_shape(total_token: int, depth: int, top_k: int) -> None:

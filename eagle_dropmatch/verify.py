@@ -294,6 +294,13 @@ class TargetLMHead:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    @property
+    def rounding_steps(self) -> int:
+        """Roundings a logit goes through in the model's dtype: the head's output, then each transform op."""
+        scaled = int(self.multiplier is not None and self.multiplier != 1)
+        divided = int(self.divisor is not None and self.divisor != 1)
+        return 1 + scaled + divided + 3 * int(self.softcap is not None)  # a soft cap: divide, tanh, multiply
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] final hidden states -> [S, V] logits."""
         return self.transform(self.linear(hidden))

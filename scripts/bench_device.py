@@ -7,7 +7,8 @@ published shape (Llama-3.1-8B by default) and a matching EAGLE-3 head (draft voc
 published Llama-3.1-8B head) directly on the device in bf16, and times lossless EAGLE-3 against
 EAGLE-3 + DropMatch (K=5, p=0.3; also with its samples scored over a shortlist, ``--shortlist 256``, and
 level by level at reached nodes only, ``--rows reachable``: random weights reach little past the root, so
-that variant's rows are close to its floor of K a round) per
+that variant's rows are close to its floor of K a round, and only where a child may win, ``--rows
+contested``) per
 verification round, in the same sections and with the same DropMatch cost (lm_head + dropmatch + bookkeeping
 against EAGLE-3) as scripts/bench_round.py. Random weights accept almost nothing, so every round verifies a
 full tree and commits about one token: the round's cost is what is measured here, not tau. ``--shape tiny``
@@ -94,8 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--dropout-p", type=float, default=0.3)
     p.add_argument("--shortlist", type=int, nargs="*", default=[256],
                    help="also run DropMatch with its samples scored over a shortlist of each M")
-    p.add_argument("--rows", nargs="*", default=["reachable"], choices=["reachable"],
-                   help="also run DropMatch with its samples scored level by level (--dropmatch-rows reachable)")
+    p.add_argument("--rows", nargs="*", default=["reachable", "contested"], choices=["reachable", "contested"],
+                   help="also run DropMatch with its samples scored level by level (--dropmatch-rows reachable) "
+                        "and/or only where a child may win (contested)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

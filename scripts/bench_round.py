@@ -5,7 +5,8 @@
 Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5; p=0.3 by default, several with ``--dropout-p 0.3 auto
 --protect 0 auto``; each also with its samples scored over a shortlist with ``--shortlist M``, and level by
 level at reached nodes only with ``--rows all reachable``) on the same MT-Bench prompts, interleaved question
-by question, and prints the mean milliseconds per round in each section (medians over questions) and the
+by question; ``--rows ... contested``: only the samples a child may win), and prints the mean milliseconds per
+round in each section (medians over questions) and the
 DropMatch sample rows computed per round. Those rows share the undropped rows' LM-head matmul (or, with a
 shortlist or level by level, are scored after it, in "dropmatch"), so part of DropMatch's cost may be inside
 "lm_head"; its cost per round is therefore measured side by side as
@@ -183,10 +184,11 @@ def main(argv=None) -> int:
     p.add_argument("--shortlist", type=int, nargs="+", default=[],
                    help="also run each DropMatch variant with its samples scored over a shortlist of each M "
                         "(--dropmatch-shortlist)")
-    p.add_argument("--rows", nargs="+", default=["all"], choices=["all", "reachable"],
+    p.add_argument("--rows", nargs="+", default=["all"], choices=["all", "reachable", "contested"],
                    help="how each DropMatch variant computes its samples (--dropmatch-rows): all (stacked into "
-                        "the LM-head matmul) and/or reachable (level by level, only at reached nodes); with "
-                        "both, the table also says on how many questions they give the same tokens")
+                        "the LM-head matmul), reachable (level by level, only at reached nodes) and/or "
+                        "contested (only where a child may win); with all among them, the table also says on "
+                        "how many questions each other gives the same tokens")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")

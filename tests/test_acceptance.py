@@ -5,8 +5,9 @@ import torch
 
 from eagle_dropmatch.acceptance import (ARGMAX_BLOCK, DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         first_argmax, longest_accepted_path, process_logits, top_k_rule)
-from eagle_dropmatch.dropmatch import (DropMatchConfig, agreement_counts, deciding_nodes, dropout_inputs,
-                                       dropout_masks, lm_head_with_samples, reachable_sample_tokens, rescale_needed,
+from eagle_dropmatch.dropmatch import (RIVAL_BLOCK, DropMatchConfig, agreement_counts, contested_children,
+                                       contested_sample_tokens, deciding_nodes, dropout_inputs, dropout_masks,
+                                       lm_head_with_samples, reachable_sample_tokens, rescale_needed, rival_tokens,
                                        shortlist_ids, shortlist_logits, tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
 from eagle_dropmatch.verify import TargetLMHead
@@ -258,6 +259,144 @@ def test_reachable_rows_decide_as_all_rows_on_random_samples():
         assert computed[path][deciding[path]].all()
         lazy_rows, all_rows = lazy_rows + rows, all_rows + 5 * int(tree.has_children.sum())
     assert lazy_rows < all_rows
+
+
+def linear_head(weight: torch.Tensor) -> TargetLMHead:
+    """A bias-free LM head with this [V, H] weight (its dtype too)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight.data.copy_(weight)
+    return TargetLMHead(linear)
+
+
+def paths_of(tree: DraftTree, undropped: torch.Tensor, *sample_tokens: torch.Tensor) -> list[list[int]]:
+    """The verifier's path under the match rule for each [K, N] set of sample tokens."""
+    paths = []
+    for samples in sample_tokens:
+        sets = dropmatch_match(TargetView(None, undropped, samples), DraftView(tree.tokens, tree.parents))
+        paths.append(longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors, sets).tolist())
+    return paths
+
+
+# A designed head for contested rows (H = 4): with hidden (1, 1, 0, 0) token 1 scores 2 and token 2 scores
+# 1.5, so 1 is the undropped token; a sample that drops dimension 0 scores token 1 at 1 and token 2 at 1.5
+# (token 2 wins), one that drops dimension 1 scores them 1 and 0 (token 1 wins). Token 3 is (0, 0, 1, 0).
+CONTEST_WEIGHT = torch.zeros(V, 4)
+CONTEST_WEIGHT[1, :2] = 1.0
+CONTEST_WEIGHT[2, 1] = 1.5
+CONTEST_WEIGHT[3, 2] = 1.0
+ONE_ONE = torch.tensor([1.0, 1.0, 0.0, 0.0])
+
+
+def contested_scenario(tokens: list[int], parents: list[int], hidden: torch.Tensor, root_drops: list[int | None]):
+    """``contested_sample_tokens`` with ``CONTEST_WEIGHT``: sample k of the root drops dimension
+    ``root_drops[k]`` (None: nothing); every other node's samples drop dimension 3, which no token reads.
+    Returns the sample tokens, the rows scored, and the paths from them and from every sample's argmax."""
+    tree = DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents))
+    head = linear_head(CONTEST_WEIGHT)
+    masks = torch.ones(len(root_drops), len(tokens), 4)
+    masks[:, 1:, 3] = 0
+    for k, dim in enumerate(root_drops):
+        if dim is not None:
+            masks[k, 0, dim] = 0
+    logits = head(hidden)
+    undropped = first_argmax(logits)
+    scored = []
+
+    def score(dropped):
+        scored.append(dropped.shape[0])
+        return head(dropped)
+    tokens_out, rows = contested_sample_tokens(hidden, masks, tree, undropped, logits, head, False, score)
+    every = first_argmax(head(hidden[None] * masks))  # [K, N]
+    return tokens_out, rows, scored, paths_of(tree, undropped, tokens_out, every)
+
+
+def test_contested_rows_score_only_the_sample_whose_child_wins():
+    """Root 0 has children 1 (its undropped token) and 2; node 2's only child 3 is its undropped token.
+    Only the root's sample that drops dimension 0 makes token 2 win: it alone is scored, and it accepts
+    node 2, so the path 0 -> 2 -> 3 is the one every sample's argmax gives."""
+    hidden = torch.stack([ONE_ONE, ONE_ONE, torch.tensor([0.0, 0.0, 1.0, 0.0]), ONE_ONE])
+    tokens, rows, scored, (path, every_path) = contested_scenario(
+        [9, 1, 2, 3], [-1, 0, 0, 2], hidden, root_drops=[0, 1, None, 2])
+    assert rows == 1 and scored == [1]
+    assert tokens[0, 0] == 2 and (tokens[1:, 0] == -1).all() and (tokens[:, 1:] == -1).all()
+    assert path == every_path == [0, 2, 3]
+
+
+def test_contested_rows_score_nothing_when_no_child_can_win():
+    """The same tree, but no root sample drops dimension 0: token 1 wins every sample, nothing is scored,
+    and the path is the undropped one (0 -> 1)."""
+    hidden = torch.stack([ONE_ONE, ONE_ONE, torch.tensor([0.0, 0.0, 1.0, 0.0]), ONE_ONE])
+    tokens, rows, scored, (path, every_path) = contested_scenario(
+        [9, 1, 2, 3], [-1, 0, 0, 2], hidden, root_drops=[1, None, 2, 1])
+    assert rows == 0 and scored == [] and (tokens == -1).all()
+    assert path == every_path == [0, 1]
+
+
+def test_contested_rows_skip_nodes_that_cannot_be_reached():
+    """Node 2 (token 2) hangs under the root, whose samples all drop dimension 1, so token 1 wins them and
+    node 2 is never accepted. Node 2's samples drop dimension 0, so its child (token 2 again) wins them and
+    passes the contest test; but node 2 cannot be reached, so none of them is scored."""
+    hidden = torch.stack([ONE_ONE, ONE_ONE, ONE_ONE, ONE_ONE])
+    tree_tokens, tree_parents = [9, 1, 2, 2], [-1, 0, 0, 2]
+    tree = DraftTree.from_parents(torch.tensor(tree_tokens), torch.tensor(tree_parents))
+    head = linear_head(CONTEST_WEIGHT)
+    masks = torch.ones(3, 4, 4)
+    masks[:, 0, 1] = 0  # the root's samples drop dimension 1: token 1 wins them
+    masks[:, 2, 0] = 0  # node 2's samples drop dimension 0: token 2 (its child) wins them
+    undropped = first_argmax(head(hidden))
+    contest = contested_children(hidden, masks, tree, rival_tokens(head(hidden), undropped, 4), head)
+    assert contest[:, 2].all() and not contest[:, 1].any()  # node 2's samples would accept node 3, the root's
+    assert contest[:, 0].all()  # not node 2; node 1 carries the root's undropped token, a rival: it passes
+    tokens, rows = contested_sample_tokens(hidden, masks, tree, undropped, head(hidden), head, False, head)
+    assert rows == 0 and (tokens == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_contested_rows_decide_as_all_rows_on_random_samples(dtype):
+    """On random inputs and weights whose rows 1-4 nearly tie with row 0 (so that rounding decides many
+    samples), in fp64 and in bf16 (the scorer rounds its logits), on two tree shapes: every child that is a
+    sample's argmax passes ``contested_children``, the scored samples get the tokens every sample's argmax
+    gives them, the verifier picks the same path, and far fewer rows are scored."""
+    contested_rows = all_rows = 0
+    for seed in range(40):
+        gen_data = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(7, 16, generator=gen_data).to(dtype)
+        weight = torch.randn(V, 16, generator=gen_data)
+        weight[1:5] = weight[0] + 0.02 * torch.randn(4, 16, generator=gen_data)
+        head = linear_head(weight.to(dtype))
+        parents = PARENTS if seed % 2 else CHAIN_FIRST_PARENTS
+        logits = head(hidden)
+        undropped = first_argmax(logits)
+        tokens_tree = torch.randint(0, 5, (7,), generator=gen_data)  # the near-tied tokens
+        tree = DraftTree.from_parents(tokens_tree, parents)
+        masks = dropout_masks(5, hidden, 0.3, 0, torch.Generator().manual_seed(seed), rescale=False)
+        every = first_argmax(head(hidden[None] * masks))  # [K, N], as the scorer rounds them
+        wins = (every[:, parents[1:]] == tokens_tree[1:]) & (tokens_tree[1:] != undropped[parents[1:]])
+        contest = contested_children(hidden, masks, tree, rival_tokens(logits, undropped, 8), head)
+        assert not (wins & ~contest).any()  # sound: no winning child fails the test
+        lazy, rows = contested_sample_tokens(hidden, masks, tree, undropped, logits, head, False, head)
+        scored = lazy >= 0
+        assert torch.equal(lazy[scored], every[scored])
+        path, every_path = paths_of(tree, undropped, lazy, torch.where(tree.has_children[None], every, -1))
+        assert path == every_path
+        contested_rows, all_rows = contested_rows + rows, all_rows + 5 * int(tree.has_children.sum())
+    assert contested_rows < all_rows / 3
+
+
+def test_rival_tokens_are_the_undropped_token_and_block_winners():
+    """Over a vocabulary of many blocks, the rivals are the undropped token, then the best token of each of
+    the M blocks with the highest maxima; over a small one, its exact top M."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 16 * RIVAL_BLOCK + 7, generator=gen)  # a partial last block too
+    undropped = first_argmax(logits)
+    rivals = rival_tokens(logits, undropped, 4)
+    assert rivals.shape == (3, 5) and torch.equal(rivals[:, 0], undropped)
+    blocks = logits[:, :16 * RIVAL_BLOCK].unflatten(-1, (16, RIVAL_BLOCK))
+    best_blocks = blocks.amax(-1).topk(4, dim=-1).indices
+    assert torch.equal(rivals[:, 1:] // RIVAL_BLOCK, best_blocks)
+    assert torch.equal(logits.gather(1, rivals[:, 1:]), blocks.amax(-1).gather(1, best_blocks))
+    small = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
+    assert rival_tokens(small, torch.tensor([1]), 3).tolist() == [[1, 1, 3, 2]]
 
 
 def test_samples_that_drop_nothing_are_skipped_and_take_the_undropped_token():

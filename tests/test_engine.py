@@ -163,12 +163,13 @@ def test_dropmatch_shortlist_of_the_whole_vocabulary_decides_as_the_full_rule(ta
             max_new_tokens=4, temperature=0.7, dropmatch=DropMatchConfig(k=5, p=0.3, shortlist=8)))
 
 
-def test_dropmatch_reachable_rows_decide_as_all_rows(target):
-    """--dropmatch-rows reachable scores the samples level by level, only at reached nodes: the same tokens,
-    rounds and agreement counts as stacking every node's samples into the LM-head matmul (with and without a
-    shortlist, on oracle chains and on branching EAGLE-3 trees), from fewer sample rows."""
+def test_dropmatch_reachable_and_contested_rows_decide_as_all_rows(target):
+    """--dropmatch-rows reachable scores the samples level by level, only at reached nodes, and contested
+    only the samples a child may win: the same tokens and rounds as stacking every node's samples into the
+    LM-head matmul (with and without a shortlist, on oracle chains and on branching EAGLE-3 trees), from
+    fewer sample rows; reachable gives the same agreement counts, contested leaves agreement unmeasured."""
     engine = SpeculativeDecoder(target, AUX)
-    rows = {"all": 0, "reachable": 0}
+    rows = {"all": 0, "reachable": 0, "contested": 0}
     for i, prompt in enumerate(prompts(4, seed=21)):
         reference, second = greedy_reference(target, prompt, 30, runner_up=True)
         for make_drafter, shortlist, p in (
@@ -180,15 +181,18 @@ def test_dropmatch_reachable_rows_decide_as_all_rows(target):
                 dm = DropMatchConfig(k=5, p=p, shortlist=shortlist, rows=how)
                 out[how] = engine.generate(prompt, make_drafter(), DecodeConfig(max_new_tokens=30, seed=i, dropmatch=dm))
                 rows[how] += out[how].computed_samples
-            a, b = out["all"], out["reachable"]
-            assert a.token_ids == b.token_ids and a.accept_lengths == b.accept_lengths
-            assert a.exact_accept_lengths == b.exact_accept_lengths
+            a, b, c = out["all"], out["reachable"], out["contested"]
+            for other in (b, c):
+                assert a.token_ids == other.token_ids and a.accept_lengths == other.accept_lengths
+                assert a.exact_accept_lengths == other.exact_accept_lengths
             assert (a.verified_positions, a.agreeing_positions, a.accepted_set_total) == \
                    (b.verified_positions, b.agreeing_positions, b.accepted_set_total)
-    assert rows["reachable"] < rows["all"]
-    with pytest.raises(ValueError, match="needs the match rule at temperature 0"):
-        engine.generate(prompt, OracleDrafter(reference, depth=5, vocab=96), DecodeConfig(
-            max_new_tokens=4, temperature=0.7, dropmatch=DropMatchConfig(k=5, p=0.3, rows="reachable")))
+            assert a.agreement is not None and c.agreement is None
+    assert rows["contested"] < rows["reachable"] < rows["all"]
+    for how in ("reachable", "contested"):
+        with pytest.raises(ValueError, match="needs the match rule at temperature 0"):
+            engine.generate(prompt, OracleDrafter(reference, depth=5, vocab=96), DecodeConfig(
+                max_new_tokens=4, temperature=0.7, dropmatch=DropMatchConfig(k=5, p=0.3, rows=how)))
 
 
 def test_dropmatch_is_deterministic_for_a_seed(target):
