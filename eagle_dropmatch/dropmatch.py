@@ -329,8 +329,10 @@ def contested_children(hidden: torch.Tensor, masks: torch.Tensor, tree, rivals: 
     cost a few dot products per sample, not a pass over the vocabulary, so the test runs for every sample
     of every node at once. It is computed in fp32 from the LM head's own rows, and a child passes when its
     logit is within ``contest_slack`` of the best rival's, which bounds what the scorer's own rounding can
-    change: a child that fails here is not the argmax the scorer would give (assuming the scorer
-    accumulates in fp32, as the CPU kernels and cuBLAS's default bf16/fp16 products do).
+    change: a child that fails here is not the argmax the scorer would give, assuming the scorer accumulates
+    in fp32, as the CPU kernels do (on CUDA, PyTorch lets cuBLAS reduce bf16/fp16 products in reduced
+    precision by default, ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``; the
+    guarantee there needs that off; not measured).
 
     Args:
         hidden: [N, H] undropped LM-head inputs of the tree nodes.
