@@ -22,7 +22,8 @@ from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, 
                          make_rule, rejection_tokens)
 from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, check_sample_rows, check_shortlist,
                         choose_protect, contested_sample_tokens, deciding_nodes, dropout_inputs, dropout_masks,
-                        lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids, shortlist_logits, tokens_of_samples)
+                        lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
+                        shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
 from .verify import (LocalLayers, TargetLMHead, attention_chunk, cache_argument, check_tree_verification,
@@ -354,7 +355,8 @@ class SpeculativeDecoder:
                                      sample_top_k=cfg.sample_top_k)
             if dm.active:
                 with timer.section("dropmatch"):
-                    deciding = deciding_nodes(tree, tokens)  # [N] nodes whose samples can change the path
+                    if dm.rows != "contested":  # [N] nodes whose samples can change the path (contested tests them)
+                        deciding = deciding_nodes(tree, tokens)
                     vocab_ids = None
                     if shortlisted:  # the samples' logits over U shortlisted tokens only
                         vocab_ids = shortlist_ids(logits, tree.has_children, tree.tokens, dm.shortlist)  # [U]
