@@ -297,6 +297,11 @@ def accepted_mask(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
     """bool [N]: nodes whose token and all ancestors' tokens are accepted (root always)."""
     ok = (tokens[:, None] == accept_sets[parents.clamp(min=0)]).any(dim=-1)
     ok[0] = True
+    return reached_through(ancestors, ok)
+
+
+def reached_through(ancestors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """bool [N]: nodes whose every node from the root down to themselves is ``ok`` (bool [N])."""
     return ~(ancestors & ~ok[None, :]).any(dim=-1)
 
 

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import accepted_mask, choose_tokens, first_argmax
+from .acceptance import accepted_mask, choose_tokens, first_argmax, reached_through
 from .verify import TargetLMHead, lm_head_logits
 
 
@@ -184,9 +184,15 @@ def select_samples(hidden: torch.Tensor, masks: torch.Tensor, nodes: torch.Tenso
     """The samples at ``nodes`` among the K x N masked ones (``dropout_inputs`` says which are left out)."""
     wanted = nodes[None].expand(masks.shape[0], -1)  # [K, N]
     if not rescale:
-        wanted = wanted & (masks == 0).any(dim=-1)
+        wanted = wanted & drops_something(masks)
     sample, node = wanted.nonzero(as_tuple=True)  # [P], [P]; a host sync
     return DropoutSamples(sample, node, hidden[node] * masks[sample, node], masks.shape[0])
+
+
+def drops_something(masks: torch.Tensor) -> torch.Tensor:
+    """bool [K, N]: the samples whose mask ([K, N, H], entries >= 0) drops at least one dimension (``amin``:
+    on CPU several times faster than ``(masks == 0).any``)."""
+    return masks.amin(dim=-1) == 0
 
 
 def check_sample_rows(cfg: DropMatchConfig, temperature: float) -> None:
@@ -211,9 +217,19 @@ def deciding_nodes(tree, target_tokens: torch.Tensor) -> torch.Tensor:
     Returns:
         bool [N]; no host synchronisation.
     """
-    parents = tree.parents[1:]  # [N - 1], the parent of every node but the root
-    other_child = (tree.tokens[1:] != target_tokens[parents]).long()  # [N - 1]
-    return torch.zeros_like(target_tokens).index_add_(0, parents, other_child) > 0
+    return with_flagged_child(tree, other_children(tree, target_tokens))
+
+
+def other_children(tree, target_tokens: torch.Tensor) -> torch.Tensor:
+    """bool [N - 1]: the non-root nodes whose token is not their parent's undropped token."""
+    return tree.tokens[1:] != target_tokens[tree.parents[1:]]
+
+
+def with_flagged_child(tree, flags: torch.Tensor) -> torch.Tensor:
+    """bool [..., N]: the nodes with a child flagged in ``flags`` (bool [..., N - 1], one per non-root node)."""
+    n = flags.shape[-1] + 1
+    counts = torch.zeros((*flags.shape[:-1], n), dtype=torch.long, device=flags.device)
+    return counts.index_add_(-1, tree.parents[1:], flags.long()) > 0
 
 
 def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
@@ -403,19 +419,18 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     k, n = masks.shape[:2]
     parents = tree.parents[1:]  # [N - 1]
     tokens = torch.full((k, n), -1, dtype=torch.long, device=hidden.device)
-    contest = (tree.tokens[1:] != target_tokens[parents])[None].expand(k, -1)  # [K, N - 1] children not u
-    if not rescale:  # a sample that drops nothing is the undropped row: its argmax is u (amin: faster than any)
-        contest = contest & (masks.amin(dim=-1)[:, parents] == 0)
+    contest = other_children(tree, target_tokens)[None].expand(k, -1)  # [K, N - 1] children other than u
+    if not rescale:  # a sample that drops nothing is the undropped row: its argmax is u
+        contest = contest & drops_something(masks)[:, parents]
     if not bool(contest.any()):  # a host sync; with --dropout-p auto most rounds stop here
         return tokens, 0
     rival_ids = rival_tokens(logits, target_tokens, rivals)  # [N, M + 1]
     if vocab_ids is not None:  # a rival must be one of the tokens scored: else the shortlist's first token
         rival_ids = torch.where(torch.isin(rival_ids, vocab_ids), rival_ids, vocab_ids[0])
     contest = contest & contested_children(hidden, masks, tree, rival_ids, lm_head)  # [K, N - 1]
-    passing = torch.cat([contest.new_ones(1), (tree.tokens[1:] == target_tokens[parents]) | contest.any(dim=0)])
-    maybe_reached = ~(tree.ancestors & ~passing[None]).any(dim=-1)  # [N], a superset of the exact reach
-    contested = torch.zeros((k, n), dtype=torch.long, device=hidden.device).index_add_(
-        1, parents, contest.long()) > 0  # [K, N], samples with a passing child
+    passing = torch.cat([contest.new_ones(1), ~other_children(tree, target_tokens) | contest.any(dim=0)])  # [N]
+    maybe_reached = reached_through(tree.ancestors, passing)  # [N], a superset of the exact reach
+    contested = with_flagged_child(tree, contest)  # [K, N], samples with a passing child
     sample, node = (contested & maybe_reached[None]).nonzero(as_tuple=True)  # [P]; a host sync
     if sample.shape[0]:
         chosen = first_argmax(score(hidden[node] * masks[sample, node]))  # [P]

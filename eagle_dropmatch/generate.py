@@ -293,6 +293,7 @@ class SpeculativeDecoder:
         check_sample_rows(dm, cfg.temperature)
         shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
         selective = dm.rows != "all"  # samples scored after the LM head, only those that can change the path
+        measures_agreement = dm.active and dm.rows != "contested"  # contested leaves most sample tokens unknown
         aux = self.aux_layer_ids if drafter.needs_features else None
         prompt = self._check_prompt(input_ids)
         gen = _new_generator(self.device, cfg.seed)
@@ -355,7 +356,7 @@ class SpeculativeDecoder:
                                      sample_top_k=cfg.sample_top_k)
             if dm.active:
                 with timer.section("dropmatch"):
-                    if dm.rows != "contested":  # [N] nodes whose samples can change the path (contested tests them)
+                    if measures_agreement:  # [N] nodes whose samples can change the path (contested tests them)
                         deciding = deciding_nodes(tree, tokens)
                     vocab_ids = None
                     if shortlisted:  # the samples' logits over U shortlisted tokens only
@@ -382,7 +383,7 @@ class SpeculativeDecoder:
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))
                 path = longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
                                              accept_sets)  # [m + 1], root first
-                if dm.active and dm.rows != "contested":  # contested rows leave most sample tokens unknown
+                if measures_agreement:
                     counted = torch.zeros_like(tree.has_children)
                     counted[path] = deciding[path]  # path nodes whose sets decided something
                     agreement += agreement_counts(tokens, target_view.sample_tokens, counted)
