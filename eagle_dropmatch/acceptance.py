@@ -305,6 +305,23 @@ def reached_through(ancestors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return ~(ancestors & ~ok[None, :]).any(dim=-1)
 
 
+def could_outrank(ancestors: torch.Tensor, depths: torch.Tensor, sure: torch.Tensor, maybe: torch.Tensor) -> torch.Tensor:
+    """bool [N]: the nodes j below which (j included) some ``maybe`` node would end the verifier's path ahead of
+    every ``sure`` node: deeper, or as deep with a lower index (``longest_accepted_path``'s order). Where this
+    is False, whether j is accepted cannot change the path once the ``sure`` nodes are accepted.
+
+    Args:
+        ancestors: bool [N, N], ancestors[i, j] when j is i or an ancestor of i.
+        depths: [N] node depths.
+        sure: bool [N], nodes accepted whatever else is (the root among them).
+        maybe: bool [N], a superset of the nodes that may be accepted.
+    """
+    n = depths.shape[0]
+    rank = depths * (n + 1) - torch.arange(n, device=depths.device)  # deeper first, then the lower index
+    ahead = maybe & (rank > torch.where(sure, rank, -n).max())  # [N]
+    return (ancestors & ahead[:, None]).any(dim=0)
+
+
 def longest_accepted_path(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                           ancestors: torch.Tensor, accept_sets: torch.Tensor) -> torch.Tensor:
     """The verifier: node indices of the longest accepted root-to-node path, root first.

@@ -32,13 +32,14 @@ With ``rows`` "contested" (the match rule at T = 0 only) most samples are never 
 child other than its node's undropped token u only if that child is the sample's argmax, so its logit must
 be at least the sample's logit for u, for the node's other high-scoring undropped tokens (``rival_tokens``)
 and for its siblings. Those few logits cost dot products, not a pass over the vocabulary, so
-``contested_children`` tests every (sample, child) pair at once, in fp32 with a slack that bounds the
-scorer's rounding (``contest_slack``). ``contested_sample_tokens`` then scores, in one product, the samples
-with a passing child at nodes that passing children and undropped tokens can reach: the path is that of
-"all", from about 1 row per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8. The
-other samples' tokens stay unknown, so agreement is not measured. The rounds that do score a row (about 31%
-of them at least: those where a sample really accepts a child) still pay a pass over W, which no bound
-avoids here (dropout at p = 0.3 moves a logit by far more than the gaps between the best tokens).
+``contested_children`` tests every (sample, child) pair at once, in fp32, and ``may_win`` allows for what
+the scorer's own sums and rounding could change. ``contested_sample_tokens`` then scores, in one product, the
+samples with a passing child at nodes that passing children and undropped tokens can reach: the path is that
+of "all", from about 0.7 rows per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8.
+The other samples' tokens stay unknown, so agreement is not measured. The rounds that do score a row (about
+31% of them at least: those where a sample really accepts a child; 35% are scored) still pay a pass over W,
+which no bound avoids here (dropout at p = 0.3 moves a logit by far more than the gaps between the best
+tokens).
 
 With ``shortlist`` M > 0 (the match rule at T = 0 only) the samples skip that matmul: their logits are
 computed after it, over a shortlist of token ids (``shortlist_ids``: each decision node's M best undropped
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import accepted_mask, choose_tokens, first_argmax, reached_through
+from .acceptance import accepted_mask, choose_tokens, could_outrank, first_argmax, reached_through
 from .verify import TargetLMHead, lm_head_logits
 
 
@@ -286,52 +287,69 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     return tokens, rows
 
 
-CONTEST_RIVALS = 8  # each node's best undropped tokens that a contesting child must match under the mask
+RIVAL_BLOCK = 256  # ids per block of the vocabulary; rivals are the best few tokens of the best blocks
+RIVAL_BLOCKS = 16  # blocks whose best tokens are a node's rivals
+RIVALS_PER_BLOCK = 4
 
 
-def contest_slack(size: torch.Tensor, products: torch.Tensor, hidden_size: int, dtype: torch.dtype,
-                  steps: int) -> torch.Tensor:
-    """How far below a rival's logit a child's fp32 logit may be and still be the scorer's argmax.
+def may_win(child: torch.Tensor, best: torch.Tensor, error: torch.Tensor, dtype: torch.dtype, steps: int,
+            size: torch.Tensor | None) -> torch.Tensor:
+    """Whether a logit computed here in fp32 could still be at least a rival's in the scorer's own logits.
 
-    The scorer's logits differ from exact ones by its roundings to ``dtype`` (``steps`` of them, each at most
-    half a unit in the last place: 2^-8 of the value in bf16) and by its fp32 accumulation over H terms (at
-    most H x 2^-24 of the terms' absolute sum; that also covers fbgemm's fp16 copy of the weight, whose
-    subnormals are off by at most 2^-25). Both logits can be off by that much, this test's own fp32 sums by
-    as much as the scorer's, and the bound is doubled for safety.
+    The scorer's raw logits differ from the ones computed here by at most ``error`` each (both sums run in
+    fp32). With one rounding (``steps`` 1: the output rounded to ``dtype``, to nearest, as every CPU kernel
+    and ``Tensor.to`` round, no logit transform) the order is kept, so a child can tie or beat the rival only
+    if ``child + error`` rounds to at least what ``best - error`` rounds to. With a transform (its ops each
+    round too, and a soft cap can tie logits far apart) ``child`` and ``best`` are the transformed logits and
+    the child passes within a slack: half a unit in the last place of ``dtype`` per rounding, times ``size``
+    (each rounding's error, carried through the ops after it, is at most that), plus both errors, all doubled.
 
     Args:
-        size: [...] the rival's logit magnitude (and the raw logits' where a transform follows the head): a
-            child that fails the test is below the rival by more than the slack, so its own magnitude
-            exceeds the rival's by at most that gap, which the doubling covers.
-        products: [...] a bound on the sum over both logits of |input| . |row| (their accumulations' scale).
-        hidden_size: H, the terms of each sum.
+        child, best: [...] fp32 logits (transformed when ``steps`` > 1) of the child and of its best rival
+            under the same sample.
+        error: [...] a bound on how far the scorer's fp32 raw sum may be from each (times the transform's
+            ``slope`` where it exceeds 1).
         dtype: the scorer's output dtype (the model's).
         steps: the roundings in that dtype (``TargetLMHead.rounding_steps``).
+        size: [...] a bound on the logits' magnitudes, raw times the transform's ``slope`` (needed when
+            ``steps`` > 1, else unused).
+
+    Returns:
+        bool [...]; False only where the child cannot be the scorer's argmax.
     """
+    if steps == 1:
+        return (child + error).to(dtype) >= (best - error).to(dtype)
     unit = torch.finfo(dtype).eps / 2  # half a unit in the last place, relative
+    return child >= best - (4 * steps * unit * size + 2 * error)
+
+
+def accumulation_error(inputs: torch.Tensor, row_norm: torch.Tensor) -> torch.Tensor:
+    """[...] bound on how far two fp32 dot products of an input row ([..., H]) with a weight row of norm at most
+    ``row_norm`` can be apart when summed in different orders: H + 1 terms (the bias), each sum within
+    (H + 1) x 2^-24 of the terms' absolute sum, itself at most |input| x ``row_norm``; doubled for safety. (It
+    also covers fbgemm's fp16 copy of the weight, whose subnormals are off by at most 2^-25.)"""
     fp32 = torch.finfo(torch.float32).eps / 2
-    return (4 * steps * unit) * size + (4 * (hidden_size + 1) * fp32) * products
+    return (4 * (inputs.shape[-1] + 1) * fp32) * inputs.norm(dim=-1) * row_norm
 
 
-RIVAL_BLOCK = 512
+def rival_tokens(logits: torch.Tensor, target_tokens: torch.Tensor, blocks: int = RIVAL_BLOCKS,
+                 per_block: int = RIVALS_PER_BLOCK) -> torch.Tensor:
+    """[N, V] undropped logits -> [N, 1 + blocks x per_block] high-scoring tokens per row, the undropped one first.
 
-
-def rival_tokens(logits: torch.Tensor, target_tokens: torch.Tensor, m: int) -> torch.Tensor:
-    """[N, V] undropped logits -> [N, M + 1] high-scoring tokens per row, the undropped token first.
-
-    Rivals need not be the exact top M (any tokens the scorer scores will do), so they are found the cheap
-    way: the best token of each of the M blocks of ``RIVAL_BLOCK`` ids with the highest maxima (on this
-    CPU a ``topk`` over the vocabulary costs 0.35-0.5 ms for 6 rows, this about a third of it).
+    Rivals need not be the exact top tokens (any tokens the scorer scores will do), so they are found the
+    cheap way: the ``per_block`` best tokens of each of the ``blocks`` blocks of ``RIVAL_BLOCK`` ids with the
+    highest maxima (on this CPU a ``topk`` over the vocabulary costs 0.35-0.5 ms for 6 rows, this about half).
+    A vocabulary of fewer blocks gives its exact top ``blocks x per_block``.
     """
     n, v = logits.shape
-    blocks = v // RIVAL_BLOCK
-    if blocks < m:  # a small vocabulary: its exact top M
-        top = logits.topk(min(m, v), dim=-1).indices
+    count = v // RIVAL_BLOCK
+    if count < blocks:  # a small vocabulary: its exact top tokens
+        top = logits.topk(min(blocks * per_block, v), dim=-1).indices
     else:
-        whole = logits[:, :blocks * RIVAL_BLOCK].view(n, blocks, RIVAL_BLOCK)  # a partial last block is left out
-        best_blocks = whole.amax(dim=-1).topk(m, dim=-1).indices  # [N, M]
-        inside = whole[torch.arange(n, device=logits.device)[:, None], best_blocks].max(dim=-1).indices
-        top = best_blocks * RIVAL_BLOCK + inside  # [N, M]
+        whole = logits[:, :count * RIVAL_BLOCK].view(n, count, RIVAL_BLOCK)  # a partial last block is left out
+        best_blocks = whole.amax(dim=-1).topk(blocks, dim=-1).indices  # [N, B]
+        inside = whole[torch.arange(n, device=logits.device)[:, None], best_blocks].topk(per_block, dim=-1).indices
+        top = (best_blocks[..., None] * RIVAL_BLOCK + inside).flatten(1)  # [N, B x per_block]
     return torch.cat([target_tokens[:, None], top], dim=1)
 
 
@@ -341,13 +359,12 @@ def contested_children(hidden: torch.Tensor, masks: torch.Tensor, tree, rivals: 
 
     A sample at node n accepts a child c that is not n's undropped token only if c is the sample's argmax;
     then the sample's logit for c is at least its logit for every other token, in particular for n's
-    ``rivals`` (high-scoring undropped tokens) and for c's siblings. Those logits
-    cost a few dot products per sample, not a pass over the vocabulary, so the test runs for every sample
-    of every node at once. It is computed in fp32 from the LM head's own rows, and a child passes when its
-    logit is within ``contest_slack`` of the best rival's, which bounds what the scorer's own rounding can
-    change: a child that fails here is not the argmax the scorer would give, assuming the scorer accumulates
-    in fp32, as the CPU kernels do (on CUDA, PyTorch lets cuBLAS reduce bf16/fp16 products in reduced
-    precision by default, ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``; the
+    ``rivals`` (high-scoring undropped tokens) and for c's siblings. Those logits cost a few dot products per
+    sample, not a pass over the vocabulary, so the test runs for every sample of every node at once. It is
+    computed in fp32 from the LM head's own rows, and ``may_win`` says whether the scorer's rounding could
+    still make the child win: a child that fails is not the argmax the scorer would give, assuming the scorer
+    accumulates in fp32, as the CPU kernels do (on CUDA, PyTorch lets cuBLAS reduce bf16/fp16 products in
+    reduced precision by default, ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``; the
     guarantee there needs that off; not measured).
 
     Args:
@@ -365,38 +382,44 @@ def contested_children(hidden: torch.Tensor, masks: torch.Tensor, tree, rivals: 
     """
     k, n, h = masks.shape
     parents, children = tree.parents[1:], tree.tokens[1:]  # [N - 1]
-    ids = torch.cat([children, rivals.flatten()])  # [C]: the children, then every node's rivals
+    ids = torch.cat([children, rivals.flatten()])  # [N - 1 + N x R]
     x = (hidden[None] * masks).float()  # [K, N, H], exactly the scorer's inputs
-    rows = lm_head.weight.index_select(0, ids).float()  # [C, H]
-    raw = (x.view(k * n, h) @ rows.T).view(k, n, -1)  # [K, N, C]: every sample against every token
+    rows = lm_head.weight.index_select(0, ids).float()  # [N - 1 + N x R, H]
+    child_rows, rival_rows = rows[:n - 1], rows[n - 1:].view(n, -1, h)  # [N - 1, H], [N, R, H]
+    raw_children = x[:, parents] @ child_rows.T  # [K, N - 1, N - 1]: each child's parent's samples, every child
+    raw_rivals = torch.bmm(x.transpose(0, 1), rival_rows.transpose(1, 2))  # [N, K, R]: each node's own rivals
     if lm_head.bias is not None:
-        raw = raw + lm_head.bias.index_select(0, ids).float()
-    logit = lm_head.transform(raw)
-    at_parent = logit[:, parents, :n - 1]  # [K, N - 1, N - 1]: each child's parent's samples, the children
+        bias = lm_head.bias.index_select(0, ids).float()
+        raw_children = raw_children + bias[:n - 1]
+        raw_rivals = raw_rivals + bias[n - 1:].view(n, 1, -1)
+    at_parent = lm_head.transform(raw_children)
     child = at_parent.diagonal(dim1=1, dim2=2)  # [K, N - 1]
     siblings = parents[:, None] == parents[None, :]  # [N - 1, N - 1], a child among them
     best = at_parent.masked_fill(~siblings, -torch.inf).amax(dim=-1)  # [K, N - 1], the best sibling
-    rival = logit[..., n - 1:].view(k, n, n, -1).diagonal(dim1=1, dim2=2).amax(dim=1)  # [K, N], own rivals
+    rival = lm_head.transform(raw_rivals).amax(dim=-1).T  # [K, N]
     best = torch.maximum(best, rival[:, parents])
-    size = best.abs()  # a child that fails is below the best rival, so |child| <= |best| + the gap: enough
-    if lm_head.rounding_steps > 1:  # a transform: the raw logits' rounding counts too
-        size = torch.maximum(size, raw.abs().amax(dim=-1)[:, parents])
-    products = x.norm(dim=-1)[:, parents] * (2 * rows.norm(dim=-1).amax())  # >= |x| . (|w_c| + |w_best|)
-    slack = contest_slack(size, products, h, hidden.dtype, lm_head.rounding_steps)
-    return child >= best - slack  # [K, N - 1]
+    error = accumulation_error(x, lm_head.max_row_norm())[:, parents]  # [K, N - 1]
+    size = None  # one rounding: the order is kept, no slack
+    if lm_head.rounding_steps > 1:  # a transform: the raw logits' rounding counts too, through its slope
+        stretch = max(1.0, lm_head.slope)
+        raw_size = torch.maximum(raw_children.abs().amax(dim=-1), raw_rivals.abs().amax(dim=-1).T[:, parents])
+        # a child that fails is below the best rival, so |child| <= |best| + the gap: |best| is enough
+        size, error = torch.maximum(best.abs(), raw_size * stretch), error * stretch
+    return may_win(child, best, error, hidden.dtype, lm_head.rounding_steps, size)  # [K, N - 1]
 
 
 def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
                             logits: torch.Tensor, lm_head: TargetLMHead, rescale: bool, score,
-                            vocab_ids: torch.Tensor | None = None,
-                            rivals: int = CONTEST_RIVALS) -> tuple[torch.Tensor, int]:
+                            vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The match rule's sample tokens, scored only where a child could be the sample's argmax.
 
     ``contested_children`` rules out most (sample, child) pairs from a few logits (each node's ``rivals``
     best undropped tokens). A sample that no child passes cannot accept any child the undropped token does
-    not, so it is not scored. A child that passes may be accepted, so nodes below it may be reached: the
-    samples with a passing child, at nodes reached through undropped tokens and passing children (a
-    superset of the nodes the exact rule reaches), are scored, all in one product. So every sample that can
+    not, so it is not scored. A child that passes may be accepted, so nodes below it may be reached (through
+    undropped tokens and passing children: a superset of the nodes the exact rule reaches). But the nodes
+    the exact rule reaches are accepted anyway, so a passing child matters only if some node of its own that
+    may be reached would end the path ahead of them (``could_outrank``). The samples with a child that passes
+    and matters, at nodes that may be reached, are scored, all in one product. So every sample that can
     change the path is scored, and the path is the one "all" gives; the other samples' tokens are not
     known (-1), so agreement is not measured.
 
@@ -409,9 +432,8 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
         lm_head: the target's LM head, for ``contested_children``.
         rescale: whether the masks carry 1/(1 - p) (``rescale_needed``).
         score: [P, H] dropped inputs -> [P, V] logits (or [P, U] over ``vocab_ids``).
-        vocab_ids: [U] the token of each column of ``score``'s logits, or None for the whole vocabulary.
-        rivals: M, how many high-scoring undropped tokens of each node a child is compared with
-            (``rival_tokens``; with ``vocab_ids``, those outside the shortlist are replaced by one inside).
+        vocab_ids: [U] the token of each column of ``score``'s logits, or None for the whole vocabulary
+            (then a rival outside the shortlist is replaced by one inside).
 
     Returns:
         ([K, N] tokens, -1 where not scored; the number of sample rows scored).
@@ -419,17 +441,20 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     k, n = masks.shape[:2]
     parents = tree.parents[1:]  # [N - 1]
     tokens = torch.full((k, n), -1, dtype=torch.long, device=hidden.device)
-    contest = other_children(tree, target_tokens)[None].expand(k, -1)  # [K, N - 1] children other than u
+    others = other_children(tree, target_tokens)  # [N - 1] children other than u
+    contest = others[None].expand(k, -1)  # [K, N - 1]
     if not rescale:  # a sample that drops nothing is the undropped row: its argmax is u
         contest = contest & drops_something(masks)[:, parents]
     if not bool(contest.any()):  # a host sync; with --dropout-p auto most rounds stop here
         return tokens, 0
-    rival_ids = rival_tokens(logits, target_tokens, rivals)  # [N, M + 1]
+    rival_ids = rival_tokens(logits, target_tokens)  # [N, R]
     if vocab_ids is not None:  # a rival must be one of the tokens scored: else the shortlist's first token
         rival_ids = torch.where(torch.isin(rival_ids, vocab_ids), rival_ids, vocab_ids[0])
     contest = contest & contested_children(hidden, masks, tree, rival_ids, lm_head)  # [K, N - 1]
-    passing = torch.cat([contest.new_ones(1), ~other_children(tree, target_tokens) | contest.any(dim=0)])  # [N]
-    maybe_reached = reached_through(tree.ancestors, passing)  # [N], a superset of the exact reach
+    root = contest.new_ones(1)
+    maybe_reached = reached_through(tree.ancestors, torch.cat([root, ~others | contest.any(dim=0)]))  # [N]
+    surely_reached = reached_through(tree.ancestors, torch.cat([root, ~others]))  # [N], the exact rule's reach
+    contest = contest & could_outrank(tree.ancestors, tree.depths, surely_reached, maybe_reached)[None, 1:]
     contested = with_flagged_child(tree, contest)  # [K, N], samples with a passing child
     sample, node = (contested & maybe_reached[None]).nonzero(as_tuple=True)  # [P]; a host sync
     if sample.shape[0]:

@@ -283,6 +283,7 @@ class TargetLMHead:
         self.multiplier = getattr(config, "logit_scale", None) or getattr(config, "output_multiplier", None)
         self.divisor = getattr(config, "logits_scaling", None)
         self.softcap = getattr(config, "final_logit_softcapping", None)
+        self._max_row_norm = None  # ((weight version, storage), value)
 
     def transform(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V] raw head output -> the logits the target's own forward returns (the same operations)."""
@@ -300,6 +301,20 @@ class TargetLMHead:
         scaled = int(self.multiplier is not None and self.multiplier != 1)
         divided = int(self.divisor is not None and self.divisor != 1)
         return 1 + scaled + divided + 3 * int(self.softcap is not None)  # a soft cap: divide, tanh, multiply
+
+    @property
+    def slope(self) -> float:
+        """A bound on how fast ``transform`` changes a logit (|multiplier| / |divisor|; a soft cap's is at most 1)."""
+        return abs(self.multiplier or 1) / abs(self.divisor or 1)
+
+    def max_row_norm(self) -> torch.Tensor:
+        """The largest |row| of the weight, in fp32 (a 0-d tensor, computed again once the weight changes)."""
+        key = (self.weight._version, self.weight.data_ptr())
+        if self._max_row_norm is None or self._max_row_norm[0] != key:
+            dtype = torch.promote_types(self.weight.dtype, torch.float32)  # bf16 rows summed in fp32, no copy
+            norms = torch.linalg.vector_norm(self.weight.detach(), dim=-1, dtype=dtype)
+            self._max_row_norm = (key, norms.amax().float())
+        return self._max_row_norm[1]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] final hidden states -> [S, V] logits."""

@@ -1,11 +1,13 @@
 """Acceptance rules and the verifier on forced logits (named scenarios), and sampling statistics."""
 
+from functools import partial
+
 import pytest
 import torch
 
 from eagle_dropmatch.acceptance import (ARGMAX_BLOCK, DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         first_argmax, longest_accepted_path, process_logits, top_k_rule)
-from eagle_dropmatch.dropmatch import (RIVAL_BLOCK, DropMatchConfig, agreement_counts, contested_children,
+from eagle_dropmatch.dropmatch import (RIVAL_BLOCK, may_win, DropMatchConfig, agreement_counts, contested_children,
                                        contested_sample_tokens, deciding_nodes, dropout_inputs, dropout_masks,
                                        lm_head_with_samples, reachable_sample_tokens, rescale_needed, rival_tokens,
                                        shortlist_ids, shortlist_logits, tokens_of_samples)
@@ -332,6 +334,23 @@ def test_contested_rows_score_nothing_when_no_child_can_win():
     assert path == every_path == [0, 1]
 
 
+def test_contested_rows_skip_a_child_that_cannot_outrank_the_exact_path():
+    """Node 2 (token 2) wins the root's sample that drops dimension 0, but it is a leaf at depth 1 while the
+    exact rule already reaches node 3 at depth 2: accepting it cannot change the path, so nothing is scored.
+    When the child instead leads to a node as deep as the exact path's end and with a lower index, the path
+    would end there: the sample is scored, and the path moves to it."""
+    leaf = torch.tensor([0.0, 0.0, 1.0, 0.0])  # token 3 wins it
+    _, rows, scored, (path, every_path) = contested_scenario(
+        [9, 1, 2, 3], [-1, 0, 0, 1], torch.stack([ONE_ONE, leaf, leaf, leaf]), root_drops=[0, 1, None, 1])
+    assert rows == 0 and scored == []
+    assert path == every_path == [0, 1, 3]
+    tokens, rows, scored, (path, every_path) = contested_scenario(
+        [9, 2, 1, 3, 3], [-1, 0, 0, 1, 2], torch.stack([ONE_ONE, leaf, leaf, leaf, leaf]),
+        root_drops=[0, 1, None, 1])
+    assert rows == 1 and tokens[0, 0] == 2
+    assert path == every_path == [0, 1, 3]  # not the exact rule's 0 -> 2 -> 4
+
+
 def test_contested_rows_skip_nodes_that_cannot_be_reached():
     """Node 2 (token 2) hangs under the root, whose samples all drop dimension 1, so token 1 wins them and
     node 2 is never accepted. Node 2's samples drop dimension 0, so its child (token 2 again) wins them and
@@ -351,12 +370,13 @@ def test_contested_rows_skip_nodes_that_cannot_be_reached():
     assert rows == 0 and (tokens == -1).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_contested_rows_decide_as_all_rows_on_random_samples(dtype):
+@pytest.mark.parametrize("dtype, softcap", [(torch.float64, None), (torch.bfloat16, None), (torch.bfloat16, 2.0)])
+def test_contested_rows_decide_as_all_rows_on_random_samples(dtype, softcap):
     """On random inputs and weights whose rows 1-4 nearly tie with row 0 (so that rounding decides many
-    samples), in fp64 and in bf16 (the scorer rounds its logits), on two tree shapes: every child that is a
-    sample's argmax passes ``contested_children``, the scored samples get the tokens every sample's argmax
-    gives them, the verifier picks the same path, and far fewer rows are scored."""
+    samples), in fp64 and in bf16 (the scorer rounds its logits), also soft-capped as Gemma's are (which ties
+    more of them), on two tree shapes: every child that is a sample's argmax passes ``contested_children``,
+    the scored samples get the tokens every sample's argmax gives them, the verifier picks the same path, and
+    far fewer rows are scored."""
     contested_rows = all_rows = 0
     for seed in range(40):
         gen_data = torch.Generator().manual_seed(seed)
@@ -364,6 +384,7 @@ def test_contested_rows_decide_as_all_rows_on_random_samples(dtype):
         weight = torch.randn(V, 16, generator=gen_data)
         weight[1:5] = weight[0] + 0.02 * torch.randn(4, 16, generator=gen_data)
         head = linear_head(weight.to(dtype))
+        head.softcap = softcap
         parents = PARENTS if seed % 2 else CHAIN_FIRST_PARENTS
         logits = head(hidden)
         undropped = first_argmax(logits)
@@ -383,20 +404,57 @@ def test_contested_rows_decide_as_all_rows_on_random_samples(dtype):
     assert contested_rows < all_rows / 3
 
 
-def test_rival_tokens_are_the_undropped_token_and_block_winners():
-    """Over a vocabulary of many blocks, the rivals are the undropped token, then the best token of each of
-    the M blocks with the highest maxima; over a small one, its exact top M."""
+def test_may_win_allows_for_the_scorers_rounding_and_nothing_more():
+    """One rounding (bf16 steps are 1/16 near 8): a child a whole step below its rival cannot win; one that
+    rounds to the rival's value can (a tie goes to the lower id), and so can one that the sums' error may
+    lift into it. A soft cap rounds three more times and can tie logits that differ, so after it a child is
+    compared on its transformed logit, with a slack for the roundings of the soft cap's three ops."""
+    bf16, zero = torch.bfloat16, torch.tensor(0.0)
+    win = partial(may_win, dtype=bf16, steps=1, size=zero)
+    assert not win(torch.tensor(8.0), torch.tensor(8.0625), zero)  # a step below
+    assert win(torch.tensor(8.04), torch.tensor(8.0625), zero)  # rounds to 8.0625: a tie
+    assert not win(torch.tensor(8.0), torch.tensor(8.125), torch.tensor(0.02))  # 8.02 and 8.105: a step apart
+    assert win(torch.tensor(8.0), torch.tensor(8.125), torch.tensor(0.04))  # 8.04 and 8.085: a tie
+    head = TargetLMHead(torch.nn.Linear(1, 2, bias=False))
+    head.softcap = 30.0  # Gemma 2's
+    raw = torch.tensor([15.8125, 15.875])  # bf16 values, the child's below its rival's
+    capped = head.transform(raw.to(bf16))  # the scorer's logits, rounded at each op
+    assert capped[0] == capped[1]  # the child (id 0) would win the tie
+    child, best = head.transform(raw)  # this test's, in fp32: 14.494 and 14.542, a bf16 step apart
+    assert child.to(bf16) < best.to(bf16)
+    assert may_win(child, best, zero, bf16, head.rounding_steps, raw.abs().max())
+
+
+def test_the_lm_heads_largest_row_norm_follows_its_weight():
+    """The bound on the test's rounding uses the head's largest row norm, kept between rounds and computed
+    again after the weight changes (in place or replaced)."""
+    linear = torch.nn.Linear(4, 3, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.tensor([[3.0, 4.0, 0, 0], [1.0, 0, 0, 0], [0, 0, 0, 2.0]]))
+    head = TargetLMHead(linear)
+    assert head.max_row_norm().item() == 5.0
+    with torch.no_grad():
+        linear.weight[1, 0] = 12.0
+    assert head.max_row_norm().item() == 12.0
+    head.weight = torch.nn.Parameter(torch.ones(3, 4, dtype=torch.float64))
+    assert head.max_row_norm().item() == 2.0 and head.max_row_norm().dtype == torch.float32
+
+
+def test_rival_tokens_are_the_undropped_token_and_the_best_of_the_best_blocks():
+    """Over a vocabulary of many blocks, the rivals are the undropped token, then the best few tokens of each
+    of the blocks with the highest maxima; over a small one, its exact top tokens."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 16 * RIVAL_BLOCK + 7, generator=gen)  # a partial last block too
     undropped = first_argmax(logits)
-    rivals = rival_tokens(logits, undropped, 4)
-    assert rivals.shape == (3, 5) and torch.equal(rivals[:, 0], undropped)
+    rivals = rival_tokens(logits, undropped, blocks=4, per_block=2)
+    assert rivals.shape == (3, 9) and torch.equal(rivals[:, 0], undropped)
     blocks = logits[:, :16 * RIVAL_BLOCK].unflatten(-1, (16, RIVAL_BLOCK))
-    best_blocks = blocks.amax(-1).topk(4, dim=-1).indices
-    assert torch.equal(rivals[:, 1:] // RIVAL_BLOCK, best_blocks)
-    assert torch.equal(logits.gather(1, rivals[:, 1:]), blocks.amax(-1).gather(1, best_blocks))
+    best_blocks = blocks.amax(-1).topk(4, dim=-1).indices  # [3, 4]
+    assert torch.equal(rivals[:, 1:] // RIVAL_BLOCK, best_blocks.repeat_interleave(2, dim=1))
+    inside = blocks.gather(1, best_blocks[..., None].expand(-1, -1, RIVAL_BLOCK)).topk(2, dim=-1).values
+    assert torch.equal(logits.gather(1, rivals[:, 1:]), inside.flatten(1))
     small = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]])
-    assert rival_tokens(small, torch.tensor([1]), 3).tolist() == [[1, 1, 3, 2]]
+    assert rival_tokens(small, torch.tensor([1]), blocks=3, per_block=1).tolist() == [[1, 1, 3, 2]]
 
 
 def test_samples_that_drop_nothing_are_skipped_and_take_the_undropped_token():
