@@ -34,12 +34,13 @@ be at least the sample's logit for u, for the node's other high-scoring undroppe
 and for its siblings. Those few logits cost dot products, not a pass over the vocabulary, so
 ``contested_children`` tests every (sample, child) pair at once, in fp32, and ``may_win`` allows for what
 the scorer's own sums and rounding could change. ``contested_sample_tokens`` then scores, in one product, the
-samples with a passing child at nodes that passing children and undropped tokens can reach: the path is that
-of "all", from about 0.7 rows per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8.
-The other samples' tokens stay unknown, so agreement is not measured. The rounds that do score a row (about
-31% of them at least: those where a sample really accepts a child; 35% are scored) still pay a pass over W,
-which no bound avoids here (dropout at p = 0.3 moves a logit by far more than the gaps between the best
-tokens).
+samples with a passing child at nodes that passing children and undropped tokens can reach, where that child
+could end the path ahead of the nodes the exact rule reaches (``could_outrank``): the path is that of "all",
+from about 0.6 rows per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8. The other
+samples' tokens stay unknown, so agreement is not measured. The rounds that do score a row (about 26% of them
+at least: those where a sample really accepts a child that could change the path; 29% are scored) still pay
+a pass over W, which no bound avoids here (dropout at p = 0.3 moves a logit by far more than the gaps
+between the best tokens).
 
 With ``shortlist`` M > 0 (the match rule at T = 0 only) the samples skip that matmul: their logits are
 computed after it, over a shortlist of token ids (``shortlist_ids``: each decision node's M best undropped

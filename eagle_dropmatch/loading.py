@@ -253,8 +253,8 @@ def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temp
     "contested" (only the samples under whose mask a child may be the argmax, in one product; the same
     decisions) on fbgemm's fp16 kernel, where DropMatch is on over the whole vocabulary and the rule allows
     it (match, temperature 0): that kernel reads the LM head's weight once per 6 rows, so every sample row
-    costs, and contested scores about 0.7 per round where level by level ("reachable") scores 8 and stacking
-    ("all") 16.6: under 5% of a round against 12-13% and 19-20% (README, "On a CPU without native bf16"). "all"
+    costs, and contested scores about 0.6 per round where level by level ("reachable") scores 8 and stacking
+    ("all") 16.6: 4.4-4.5% of a round against 12-13% and 19-20% (README, "On a CPU without native bf16"). "all"
     (every node's samples stacked into the tree's matmul, the weight read once) elsewhere, where a stacked
     row costs a little arithmetic (not measured against contested there), and with a shortlist, whose
     products over gathered rows cost less than selecting them saves (2.84% of a round against 3.42% level by
