@@ -250,14 +250,11 @@ def test_reachable_rows_decide_as_all_rows_on_random_samples():
         every = torch.where(tree.has_children[None], every, -1)
         deciding = deciding_nodes(tree, undropped)
         lazy, rows = reachable_sample_tokens(hidden, masks, tree, undropped, deciding, False, lambda x: x @ weight.T)
-        paths = []
-        for samples in (every, lazy):
-            sets = dropmatch_match(TargetView(None, undropped, samples), DraftView(tree.tokens, tree.parents))
-            paths.append(longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors, sets))
-        assert torch.equal(paths[0], paths[1])
+        every_path, path = paths_of(tree, undropped, every, lazy)
+        assert every_path == path
         computed = (lazy >= 0).any(0)
         assert torch.equal(lazy[:, computed], every[:, computed])
-        path = paths[1]
+        path = torch.tensor(path)
         assert computed[path][deciding[path]].all()
         lazy_rows, all_rows = lazy_rows + rows, all_rows + 5 * int(tree.has_children.sum())
     assert lazy_rows < all_rows
