@@ -7,7 +7,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["eagle_dropmatch", "eagle_dropmatch.*", "evaluation", "evaluation.*"]),
-    package_data={"eagle_dropmatch": ["heads/*/*"]},
+    package_data={"eagle_dropmatch": ["heads/*/*", "csrc/*.cpp", "csrc/asmjit/*.h"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -19,6 +19,16 @@ A bf16 ``nn.Linear`` on a CPU hands its weight in the plain [out, in] layout to 
   per 6 rows (6 rows 5.0 ms, 7 rows 9.5), hence the smaller default tree there (``loading.default_total_token``;
   README, "On a CPU without native bf16").
 
+torch's binding of fbgemm's product runs it as thread 0 of 1: the layer ran on one core while the others
+waited. ``fp16_extension`` builds (once per machine, with torch's C++ extension loader: about a minute) a small
+module of this package (``csrc/fp16_linear.cpp``) that runs the same fbgemm kernel on the same packed weight
+as thread t of torch's n intra-op threads, each summing its own outputs in the same order, so its outputs are
+torch's binding's bit for bit; it also converts the input and output inside the call. On the 2-core Zen 3,
+SmolLM2's target forward plus LM head over 1 token took 36.9 ms instead of 50.2, over 6 tokens 48.0 instead of
+65.5 (medians of 36, alternating). Where it cannot be built (no C++ compiler, no ninja, torch without fbgemm's
+headers) or with ``EAGLE_DROPMATCH_FP16_EXTENSION=0``, the "fp16" layers use torch's binding, with one line
+on stderr saying why.
+
 ``PrepackedLinear`` keeps the module's ``weight`` and ``bias`` parameters (so tied embeddings, state dicts and
 every ``.weight`` reader see the same tensors) and holds the packed copy beside them: the weights' memory is
 held twice. It is for frozen models (decoding): a weight changed after packing is packed again at the next
@@ -33,6 +43,8 @@ import contextlib
 import functools
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -70,6 +82,67 @@ def fbgemm_fp16_works() -> bool:
         return bool(torch.equal(out, torch.full((1, 8), 8.0)))
     except RuntimeError:
         return False
+
+
+EXTENSION_NAME = "eagle_dropmatch_fp16_linear"
+EXTENSION_SOURCES = Path(__file__).with_name("csrc")
+STALE_BUILD_LOCK_S = 600  # a build takes about a minute; an older lock file belongs to an interrupted one
+
+
+@functools.cache
+def fp16_extension():
+    """The compiled module whose ``PackedFP16Linear`` runs fbgemm's fp16 product on all of torch's intra-op
+    threads (``csrc/fp16_linear.cpp``), or None where fbgemm's fp16 ops do not run here, the environment sets
+    ``EAGLE_DROPMATCH_FP16_EXTENSION=0``, or it cannot be built or does not give torch's binding's output bit
+    for bit (one line on stderr says which). Built once per machine into the package's cache folder
+    (``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there
+    after."""
+    if os.environ.get("EAGLE_DROPMATCH_FP16_EXTENSION", "1") == "0" or not fbgemm_fp16_works():
+        return None
+    from .resources import cache_dir
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    build_dir = cache_dir() / "extensions" / f"torch-{torch.__version__.replace('+', '-')}-{python}"
+    try:
+        from torch.utils import cpp_extension
+        build_dir.mkdir(parents=True, exist_ok=True)
+        lock = build_dir / "lock"  # torch's loader waits while it exists; a build interrupted long ago left it
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+            lock.unlink(missing_ok=True)
+        if not (build_dir / f"{EXTENSION_NAME}.so").exists():
+            print("eagle_dropmatch: building the multi-threaded fp16 kernel (once per machine, about a minute)",
+                  file=sys.stderr, flush=True)
+        module = cpp_extension.load(
+            EXTENSION_NAME, [str(EXTENSION_SOURCES / "fp16_linear.cpp")], extra_include_paths=[str(EXTENSION_SOURCES)],
+            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+            verbose=False)
+    except Exception as error:  # a missing compiler, ninja or header, a failed build: torch's binding instead
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        print(f"eagle_dropmatch: the multi-threaded fp16 kernel is unavailable ({reason}); "
+              "using torch's one-thread binding", file=sys.stderr, flush=True)
+        return None
+    if not extension_matches_binding(module):
+        print("eagle_dropmatch: the multi-threaded fp16 kernel differs from torch's binding here; using the "
+              "binding", file=sys.stderr, flush=True)
+        return None
+    return module
+
+
+def extension_matches_binding(module, shapes=((1, 96, 200), (7, 64, 40), (13, 576, 1536))) -> bool:
+    """Whether ``module``'s layer gives torch's ``fbgemm_linear_fp16_weight`` output bit for bit (rows, in,
+    out; with and without a bias)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rows, inputs, outputs in shapes:
+            weight = torch.randn(outputs, inputs, generator=generator) * 0.05
+            bias = torch.randn(outputs, generator=generator)
+            x = torch.randn(rows, inputs, generator=generator)
+            packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight)
+            ours = module.PackedFP16Linear(weight)
+            for b in (None, bias):
+                theirs = torch.fbgemm_linear_fp16_weight(x, packed, torch.zeros(outputs) if b is None else b)
+                if not torch.equal(ours.forward(x, b), theirs):
+                    return False
+    return True
 
 
 @contextlib.contextmanager
@@ -150,9 +223,14 @@ class PrepackedLinear(nn.Module):
         kernel: "onednn" (bf16 weight reordered by oneDNN, bit for bit the stock output) or "fp16" (fp16
             weight for fbgemm, fp32 arithmetic, the output rounded to bf16); see the module docstring.
         rows_hint: the row count oneDNN packs for (the engine's calls are 1 to a few dozen rows).
+        threads: "fp16" only: run fbgemm on all intra-op threads through ``fp16_extension`` where it is
+            available (the same outputs, faster); False: torch's one-thread binding.
+
+    Attributes:
+        threaded: whether this "fp16" layer runs through the extension (False for "onednn").
     """
 
-    def __init__(self, linear: nn.Linear, kernel: str = "onednn", rows_hint: int = 8):
+    def __init__(self, linear: nn.Linear, kernel: str = "onednn", rows_hint: int = 8, threads: bool = True):
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
@@ -160,6 +238,7 @@ class PrepackedLinear(nn.Module):
         self.register_parameter("bias", linear.bias)  # None too, as nn.Linear does: forward reads both there
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel, self.rows_hint = kernel, rows_hint
+        self.threaded = kernel == "fp16" and threads and fp16_extension() is not None
         self.packed, self.packed_from, self.no_bias = None, None, None
         self.pack()
 
@@ -169,7 +248,10 @@ class PrepackedLinear(nn.Module):
         with torch.no_grad():
             if self.kernel == "onednn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+            elif self.threaded and fp16_extension() is not None:  # (an unpickled layer may land without it)
+                self.packed = fp16_extension().PackedFP16Linear(weight)
             else:
+                self.threaded = False
                 fbgemm_fp16_works()  # the ops' first calls, with their deprecation notice, happen in the probe
                 self.packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight.float())
                 self.no_bias = torch.zeros(self.out_features)  # fbgemm's binding wants a bias tensor
@@ -181,7 +263,8 @@ class PrepackedLinear(nn.Module):
         ``_parameters`` (not through ``nn.Module.__getattr__``), calls fbgemm through ``torch``'s own binding
         rather than ``torch.ops`` (which also wants a bias tensor: zeros for a layer without one) and hands
         oneDNN the input as it is (it takes any leading dimensions; fbgemm gets it as rows). On the 2-core Zen 3
-        this took SmolLM2's target forward of 1 token from 35.95 to 33.80 ms and of 6 from 46.36 to 44.53."""
+        this took SmolLM2's target forward of 1 token from 35.95 to 33.80 ms and of 6 from 46.36 to 44.53. A
+        threaded "fp16" layer makes one call into the extension, which converts and reshapes in C++."""
         weight, bias = self._parameters["weight"], self._parameters["bias"]
         if x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or not x.is_cpu or (
                 torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -191,6 +274,8 @@ class PrepackedLinear(nn.Module):
             self.pack()
         if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise.default(x, self.packed, bias, "none", [], "")
+        if self.threaded:
+            return self.packed.forward(x, bias)
         shape = x.shape  # fbgemm takes rows; the engine also passes [in]
         rows = torch.fbgemm_linear_fp16_weight(x.reshape(-1, shape[-1]).float(), self.packed,
                                                self.no_bias if bias is None else bias.float())
@@ -201,7 +286,7 @@ class PrepackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"kernel={self.kernel}")
+                f"kernel={self.kernel}" + (", threaded" if self.threaded else ""))
 
 
 def fp16_exact(weight: torch.Tensor) -> bool:
@@ -238,7 +323,7 @@ def packed_matches(linear: nn.Linear, packed: PrepackedLinear, rows: tuple[int, 
     return True
 
 
-def prepack_linears(model: nn.Module, kernel: str | None = None, exact: bool = True) -> int:
+def prepack_linears(model: nn.Module, kernel: str | None = None, exact: bool = True, threads: bool = True) -> int:
     """Swap every bf16 CPU ``nn.Linear`` in ``model`` for a ``PrepackedLinear``, in place.
 
     Args:
@@ -248,6 +333,8 @@ def prepack_linears(model: nn.Module, kernel: str | None = None, exact: bool = T
             the layer computes with the model's own weights: what a target needs. A drafter only proposes
             tokens the target then verifies, so its weights may round (a trained head's values below 6e-5
             lose bits as fp16 subnormals): ``exact=False``.
+        threads: under "fp16", run the layers on all intra-op threads where ``fp16_extension`` is available
+            (``PrepackedLinear``'s ``threads``).
 
     Each distinct (in, out, bias) shape is checked once (``packed_matches``); a shape whose packed output
     differs keeps its stock layers. Returns the number of layers swapped.
@@ -264,7 +351,7 @@ def prepack_linears(model: nn.Module, kernel: str | None = None, exact: bool = T
                 continue
             if kernel == "fp16" and exact and not fp16_exact(child.weight):
                 continue
-            packed = PrepackedLinear(child, kernel)
+            packed = PrepackedLinear(child, kernel, threads=threads)
             shape = (child.in_features, child.out_features, child.bias is not None)
             if shape not in verdicts:
                 verdicts[shape] = packed_matches(child, packed)

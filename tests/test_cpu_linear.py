@@ -67,6 +67,105 @@ def test_an_fp16_packed_linear_gives_the_fp32_product_of_the_bf16_weights(inputs
     assert not packed_matches(linear, wrong)  # the check can fail: another weight is caught
 
 
+@pytest.fixture
+def fresh_extension_probe():
+    """``fp16_extension``'s answer forgotten before and after the test (it is cached per process)."""
+    cpu_linear.fp16_extension.cache_clear()
+    yield
+    cpu_linear.fp16_extension.cache_clear()
+
+
+def can_build_extensions() -> bool:
+    import shutil
+    from torch.utils.cpp_extension import is_ninja_available
+    return shutil.which("c++") is not None and is_ninja_available()
+
+
+@fp16
+def test_the_fp16_extension_builds_where_a_compiler_and_ninja_exist():
+    if not can_build_extensions():
+        pytest.skip("no C++ compiler or no ninja here: the fp16 layers fall back to torch's binding")
+    module = cpu_linear.fp16_extension()
+    assert module is not None and cpu_linear.extension_matches_binding(module)
+    assert PrepackedLinear(bf16_linear(64, 96, False), "fp16").threaded
+    assert not PrepackedLinear(bf16_linear(64, 96, False), "fp16", threads=False).threaded
+
+
+@fp16
+@pytest.mark.parametrize("inputs,outputs,bias", [*SHAPES, (1152, 576, False), (576, 4100, True)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_threaded_fp16_layer_gives_torchs_binding_bit_for_bit(inputs, outputs, bias, threads):
+    """Any thread count, any row count (fbgemm's blocks of 6 rows and a remainder), widths that are not a
+    multiple of fbgemm's column block (its last thread takes the fringe), with and without a bias."""
+    if cpu_linear.fp16_extension() is None:
+        pytest.skip("the fp16 extension could not be built here")
+    linear = bf16_linear(inputs, outputs, bias)
+    threaded, binding = PrepackedLinear(linear, "fp16"), PrepackedLinear(linear, "fp16", threads=False)
+    assert threaded.threaded and not binding.threaded
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            for shape in [*ROWS, (6,), (7,), ()]:
+                x = torch.randn(*shape, inputs, generator=torch.Generator().manual_seed(len(shape) + 3)).to(torch.bfloat16)
+                out = threaded(x)
+                assert out.shape == (*shape, outputs) and out.dtype == torch.bfloat16
+                assert torch.equal(out, binding(x)), shape
+    finally:
+        torch.set_num_threads(saved)
+
+
+class OffByOne:
+    """A stand-in extension module whose layer adds 1 to every output."""
+
+    class PackedFP16Linear:
+        def __init__(self, weight):
+            self.packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight)
+            self.zeros = torch.zeros(weight.shape[0])
+
+        def forward(self, x, bias=None):
+            return torch.fbgemm_linear_fp16_weight(x, self.packed, self.zeros if bias is None else bias) + 1
+
+
+@fp16
+def test_an_extension_whose_output_differs_is_not_used(monkeypatch, fresh_extension_probe, capsys):
+    assert not cpu_linear.extension_matches_binding(OffByOne)
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: OffByOne)
+    assert cpu_linear.fp16_extension() is None
+    assert "differs from torch's binding" in capsys.readouterr().err
+
+
+@fp16
+def test_without_the_extension_fp16_layers_run_on_torchs_binding(monkeypatch, fresh_extension_probe, capsys,
+                                                                 tmp_path):
+    """Switched off by the environment, or failing to build (a line saying it builds, then one saying why it
+    is unavailable): the layer is packed for torch's binding and computes the same product."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("EAGLE_DROPMATCH_CACHE", str(tmp_path))  # nothing built there yet
+
+    def no_ninja(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions\n(more lines)")
+
+    monkeypatch.setattr(cpp_extension, "load", no_ninja)
+    assert cpu_linear.fp16_extension() is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "building the multi-threaded fp16 kernel" in err[0]
+    assert "unavailable (Ninja is required to load C++ extensions); using torch's one-thread binding" in err[1]
+    cpu_linear.fp16_extension.cache_clear()
+    monkeypatch.setenv("EAGLE_DROPMATCH_FP16_EXTENSION", "0")
+    assert cpu_linear.fp16_extension() is None and capsys.readouterr().err == ""
+    linear = bf16_linear(64, 96, True)
+    packed = PrepackedLinear(linear, "fp16")
+    assert not packed.threaded and "threaded" not in repr(packed)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = torch.fbgemm_linear_fp16_weight(x.float(), torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(
+            linear.weight.float()), linear.bias.float()).to(torch.bfloat16)
+        assert torch.equal(packed(x), expected)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_prepacked_linear_off_its_path_runs_the_stock_layer(kernel):
     converted = PrepackedLinear(bf16_linear(32, 16, True), kernel).float()  # e.g. model.float() after loading
