@@ -289,6 +289,13 @@ class PrepackedLinear(nn.Module):
                 f"kernel={self.kernel}" + (", threaded" if self.threaded else ""))
 
 
+def threaded_layers(*modules: nn.Module) -> int:
+    """How many ``PrepackedLinear`` layers in ``modules`` (None skipped) run on all intra-op threads through
+    ``fp16_extension``: what benchmark reports print beside the packed count."""
+    return sum(getattr(m, "threaded", False) is True for module in modules if module is not None
+               for m in module.modules())
+
+
 def fp16_exact(weight: torch.Tensor) -> bool:
     """Whether every value of a bf16 weight is exactly an fp16 value (the "fp16" kernel computes with it)."""
     weight = weight.detach()

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle_dropmatch import gen  # noqa: E402
+from eagle_dropmatch.cpu_linear import threaded_layers  # noqa: E402
 from eagle_dropmatch.loading import EagleModel, LoadError, bundled_head_path, load  # noqa: E402
 from eagle_dropmatch.resources import ResourceError, questions_path, read_questions  # noqa: E402
 
@@ -206,7 +207,9 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     dtypes = sorted({v.dtype for v in variants.values()})
-    packed = sorted({f"{v.cpu_prepack}: {models[name].prepacked}" for name, v in variants.items()})
+    packed = sorted({f"{v.cpu_prepack}: {models[name].prepacked}, "
+                     f"{threaded_layers(models[name].target, models[name].head, models[name].draft)} on all threads"
+                     for name, v in variants.items()})
     print(f"{args.bench or qfile}: {len(questions)} questions x {args.turns} turn(s), {'/'.join(dtypes)}, "
           f"{torch.get_num_threads()} threads, linear layers prepacked ({', '.join(packed)})")
     print(f"{'variant':24s}{'tokens':>8s}{'tok/s':>8s}{'speedup':>9s}{'med q':>7s}{'tau':>7s}{'exact tau':>10s}"

@@ -115,6 +115,19 @@ def test_the_threaded_fp16_layer_gives_torchs_binding_bit_for_bit(inputs, output
         torch.set_num_threads(saved)
 
 
+@fp16
+def test_threaded_layers_counts_the_layers_on_the_extension():
+    if cpu_linear.fp16_extension() is None:
+        pytest.skip("the fp16 extension could not be built here")
+    target = fp16_valued(tiny_target())
+    total = prepack_linears(target, "fp16")
+    assert cpu_linear.threaded_layers(target, None) == total > 0
+    other = fp16_valued(tiny_target())
+    assert cpu_linear.threaded_layers(other) == 0  # stock layers
+    prepack_linears(other, "fp16", threads=False)
+    assert cpu_linear.threaded_layers(other) == 0 and cpu_linear.threaded_layers(target, other) == total
+
+
 class OffByOne:
     """A stand-in extension module whose layer adds 1 to every output."""
 
