@@ -227,6 +227,7 @@ class PrepackedLinear(nn.Module):
             available (the same outputs, faster); False: torch's one-thread binding.
 
     Attributes:
+        threads: what was asked for.
         threaded: whether this "fp16" layer runs through the extension (False for "onednn").
     """
 
@@ -237,21 +238,22 @@ class PrepackedLinear(nn.Module):
         self.register_parameter("weight", linear.weight)
         self.register_parameter("bias", linear.bias)  # None too, as nn.Linear does: forward reads both there
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.kernel, self.rows_hint = kernel, rows_hint
-        self.threaded = kernel == "fp16" and threads and fp16_extension() is not None
-        self.packed, self.packed_from, self.no_bias = None, None, None
+        self.kernel, self.rows_hint, self.threads = kernel, rows_hint, threads
+        self.threaded, self.packed, self.packed_from, self.no_bias = False, None, None, None
         self.pack()
 
     def pack(self) -> None:
-        """(Re)make the packed copy of the current weight; ``packed_from`` records which (version, storage)."""
+        """(Re)make the packed copy of the current weight; ``packed_from`` records which (version, storage).
+        An "fp16" layer is ``threaded`` when it asked for ``threads`` and the extension is here (a copy or an
+        unpickled layer decides again where it lands)."""
         weight = self.weight.detach()
+        self.threaded = self.kernel == "fp16" and self.threads and fp16_extension() is not None
         with torch.no_grad():
             if self.kernel == "onednn":
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
-            elif self.threaded and fp16_extension() is not None:  # (an unpickled layer may land without it)
+            elif self.threaded:
                 self.packed = fp16_extension().PackedFP16Linear(weight)
             else:
-                self.threaded = False
                 fbgemm_fp16_works()  # the ops' first calls, with their deprecation notice, happen in the probe
                 self.packed = torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(weight.float())
                 self.no_bias = torch.zeros(self.out_features)  # fbgemm's binding wants a bias tensor

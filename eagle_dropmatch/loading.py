@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_linear import kernel_for, prepack_linears
+from .cpu_linear import kernel_for, prepack_linears, threaded_layers
 from .draft_model import DraftModelError, ModelDrafter, check_tokenizers
 from .drafters import Drafter, Eagle3Drafter
 from .dropmatch import DropMatchConfig, check_sample_rows, check_shortlist
@@ -160,6 +160,11 @@ class EagleModel:
     draft: object | None = None
     prepacked: int = 0
     kernel: str | None = None
+
+    @property
+    def threaded(self) -> int:
+        """How many of the packed layers run on all intra-op threads (``cpu_linear.fp16_extension``)."""
+        return threaded_layers(self.target, self.head, self.draft)
 
     def with_head(self, ea_model_path: str | Path) -> "EagleModel":
         """The same target, tokenizer and draft model (not reloaded) with another EAGLE-3 head, e.g. to

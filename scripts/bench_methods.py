@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from eagle_dropmatch import gen  # noqa: E402
-from eagle_dropmatch.cpu_linear import threaded_layers  # noqa: E402
 from eagle_dropmatch.loading import EagleModel, LoadError, bundled_head_path, load  # noqa: E402
 from eagle_dropmatch.resources import ResourceError, questions_path, read_questions  # noqa: E402
 
@@ -207,8 +206,7 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     dtypes = sorted({v.dtype for v in variants.values()})
-    packed = sorted({f"{v.cpu_prepack}: {models[name].prepacked}, "
-                     f"{threaded_layers(models[name].target, models[name].head, models[name].draft)} on all threads"
+    packed = sorted({f"{v.cpu_prepack}: {models[name].prepacked}, {models[name].threaded} on all threads"
                      for name, v in variants.items()})
     print(f"{args.bench or qfile}: {len(questions)} questions x {args.turns} turn(s), {'/'.join(dtypes)}, "
           f"{torch.get_num_threads()} threads, linear layers prepacked ({', '.join(packed)})")

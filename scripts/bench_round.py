@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # script_args, when not run as a script
 
 from eagle_dropmatch.acceptance import first_argmax  # noqa: E402
-from eagle_dropmatch.cpu_linear import threaded_layers  # noqa: E402
 from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
 from eagle_dropmatch.loading import LoadError, default_total_token, parse_dropout_p, parse_protect  # noqa: E402
@@ -249,7 +248,7 @@ def main(argv=None) -> int:
     print_report(table, costs, f"per verification round, median over {len(questions)} questions ({args.dtype}, "
                  f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads, "
                  f"{model.prepacked} linear layers prepacked, "
-                 f"{threaded_layers(model.target, model.head, model.draft)} on all threads):")
+                 f"{model.threaded} on all threads):")
     for name, row in table.items():
         if "same_tokens_as_all_rows" in row:
             print(f"{name}: the same tokens as all rows on {row['same_tokens_as_all_rows']}/{len(questions)} "

@@ -7,10 +7,10 @@ import torch
 
 from eagle_dropmatch.acceptance import (ARGMAX_BLOCK, DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         first_argmax, longest_accepted_path, process_logits, top_k_rule)
-from eagle_dropmatch.dropmatch import (RIVAL_BLOCK, may_win, DropMatchConfig, agreement_counts, contested_children,
+from eagle_dropmatch.dropmatch import (RIVAL_BLOCK, DropMatchConfig, agreement_counts, contested_children,
                                        contested_sample_tokens, deciding_nodes, dropout_inputs, dropout_masks,
-                                       lm_head_with_samples, reachable_sample_tokens, rescale_needed, rival_tokens,
-                                       shortlist_ids, shortlist_logits, tokens_of_samples)
+                                       lm_head_with_samples, may_win, reachable_sample_tokens, rescale_needed,
+                                       rival_tokens, shortlist_ids, shortlist_logits, tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
 from eagle_dropmatch.verify import TargetLMHead
 

@@ -354,6 +354,7 @@ def test_an_fp16_packed_model_decodes_as_the_engine_promises(fp16_model_dir, mon
     stock = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack="off")
     layers = [m for m in (*packed.target.modules(), *packed.head.modules()) if isinstance(m, nn.Linear | PrepackedLinear)]
     assert packed.prepacked == len(layers) > 0 and all(type(m) is PrepackedLinear and m.kernel == "fp16" for m in layers)
+    assert packed.threaded == (len(layers) if cpu_linear.fp16_extension() is not None else 0) and stock.threaded == 0
     prompt = packed.chat_ids([{"role": "user", "content": "Say something long."}])
     with torch.no_grad():
         ours, theirs = (m.target.model(prompt[None]).last_hidden_state.float() for m in (packed, stock))
