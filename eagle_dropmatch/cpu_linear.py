@@ -43,12 +43,12 @@ import contextlib
 import functools
 import os
 import sys
-import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .extensions import load_extension
 
 PREPACK_MODES = ("auto", "on", "off")
 KERNELS = ("onednn", "fp16")
@@ -85,8 +85,6 @@ def fbgemm_fp16_works() -> bool:
 
 
 EXTENSION_NAME = "eagle_dropmatch_fp16_linear"
-EXTENSION_SOURCES = Path(__file__).with_name("csrc")
-STALE_BUILD_LOCK_S = 600  # a build takes about a minute; an older lock file belongs to an interrupted one
 
 
 @functools.cache
@@ -94,31 +92,13 @@ def fp16_extension():
     """The compiled module whose ``PackedFP16Linear`` runs fbgemm's fp16 product on all of torch's intra-op
     threads (``csrc/fp16_linear.cpp``), or None where fbgemm's fp16 ops do not run here, the environment sets
     ``EAGLE_DROPMATCH_FP16_EXTENSION=0``, or it cannot be built or does not give torch's binding's output bit
-    for bit (one line on stderr says which). Built once per machine into the package's cache folder
-    (``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there
-    after."""
+    for bit (one line on stderr says which). Built once per machine (``extensions.load_extension``) and
+    loaded from the package's cache after."""
     if os.environ.get("EAGLE_DROPMATCH_FP16_EXTENSION", "1") == "0" or not fbgemm_fp16_works():
         return None
-    from .resources import cache_dir
-    python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    build_dir = cache_dir() / "extensions" / f"torch-{torch.__version__.replace('+', '-')}-{python}"
-    try:
-        from torch.utils import cpp_extension
-        build_dir.mkdir(parents=True, exist_ok=True)
-        lock = build_dir / "lock"  # torch's loader waits while it exists; a build interrupted long ago left it
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
-            lock.unlink(missing_ok=True)
-        if not (build_dir / f"{EXTENSION_NAME}.so").exists():
-            print("eagle_dropmatch: building the multi-threaded fp16 kernel (once per machine, about a minute)",
-                  file=sys.stderr, flush=True)
-        module = cpp_extension.load(
-            EXTENSION_NAME, [str(EXTENSION_SOURCES / "fp16_linear.cpp")], extra_include_paths=[str(EXTENSION_SOURCES)],
-            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-            verbose=False)
-    except Exception as error:  # a missing compiler, ninja or header, a failed build: torch's binding instead
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        print(f"eagle_dropmatch: the multi-threaded fp16 kernel is unavailable ({reason}); "
-              "using torch's one-thread binding", file=sys.stderr, flush=True)
+    module = load_extension(EXTENSION_NAME, "fp16_linear.cpp", "the multi-threaded fp16 kernel",
+                            "using torch's one-thread binding", ("-O3", "-fopenmp"), ("-fopenmp",))
+    if module is None:
         return None
     if not extension_matches_binding(module):
         print("eagle_dropmatch: the multi-threaded fp16 kernel differs from torch's binding here; using the "

@@ -33,7 +33,8 @@ child other than its node's undropped token u only if that child is the sample's
 be at least the sample's logit for u, for the node's other high-scoring undropped tokens (``rival_tokens``)
 and for its siblings. Those few logits cost dot products, not a pass over the vocabulary, so
 ``contested_children`` tests every (sample, child) pair at once, in fp32, and ``may_win`` allows for what
-the scorer's own sums and rounding could change. ``contested_sample_tokens`` then scores, in one product, the
+the scorer's own sums and rounding could change (on a CPU the same test runs compiled, in one call:
+``contest_extension``, ``csrc/dropmatch_contest.cpp``). ``contested_sample_tokens`` then scores, in one product, the
 samples with a passing child at nodes that passing children and undropped tokens can reach, where that child
 could end the path ahead of the nodes the exact rule reaches (``could_outrank``): the path is that of "all",
 from about 0.6 rows per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8. The other
@@ -54,12 +55,17 @@ undropped tokens, in fp32, so that a bisection over p costs a fraction of a pref
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from .acceptance import accepted_mask, choose_tokens, could_outrank, first_argmax, reached_through
+from .extensions import load_extension
+from .tree import DraftTree
 from .verify import TargetLMHead, lm_head_logits
 
 
@@ -411,7 +417,7 @@ def contested_children(hidden: torch.Tensor, masks: torch.Tensor, tree, rivals: 
 
 def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
                             logits: torch.Tensor, lm_head: TargetLMHead, rescale: bool, score,
-                            vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                            vocab_ids: torch.Tensor | None = None, compiled: bool = True) -> tuple[torch.Tensor, int]:
     """The match rule's sample tokens, scored only where a child could be the sample's argmax.
 
     ``contested_children`` rules out most (sample, child) pairs from a few logits (each node's ``rivals``
@@ -435,6 +441,9 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
         score: [P, H] dropped inputs -> [P, V] logits (or [P, U] over ``vocab_ids``).
         vocab_ids: [U] the token of each column of ``score``'s logits, or None for the whole vocabulary
             (then a rival outside the shortlist is replaced by one inside).
+        compiled: run the contest in the compiled module (``contest_extension``) where it applies
+            (``compiled_contest_applies``); False, or where it does not: ``rival_tokens`` and
+            ``contested_children``.
 
     Returns:
         ([K, N] tokens, -1 where not scored; the number of sample rows scored).
@@ -448,10 +457,17 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
         contest = contest & drops_something(masks)[:, parents]
     if not bool(contest.any()):  # a host sync; with --dropout-p auto most rounds stop here
         return tokens, 0
-    rival_ids = rival_tokens(logits, target_tokens)  # [N, R]
-    if vocab_ids is not None:  # a rival must be one of the tokens scored: else the shortlist's first token
-        rival_ids = torch.where(torch.isin(rival_ids, vocab_ids), rival_ids, vocab_ids[0])
-    contest = contest & contested_children(hidden, masks, tree, rival_ids, lm_head)  # [K, N - 1]
+    kernel = contest_extension() if compiled and compiled_contest_applies(hidden, masks, logits, lm_head,
+                                                                         vocab_ids) else None
+    if kernel is not None:  # the same test in one call
+        contest = kernel.contested_children(hidden, masks, logits, target_tokens, tree.tokens[1:], parents,
+                                            contest.contiguous(), lm_head.weight.detach(),
+                                            float(lm_head.max_row_norm()), lm_head.bias)  # [K, N - 1]
+    else:
+        rival_ids = rival_tokens(logits, target_tokens)  # [N, R]
+        if vocab_ids is not None:  # a rival must be one of the tokens scored: else the shortlist's first token
+            rival_ids = torch.where(torch.isin(rival_ids, vocab_ids), rival_ids, vocab_ids[0])
+        contest = contest & contested_children(hidden, masks, tree, rival_ids, lm_head)  # [K, N - 1]
     root = contest.new_ones(1)
     maybe_reached = reached_through(tree.ancestors, torch.cat([root, ~others | contest.any(dim=0)]))  # [N]
     surely_reached = reached_through(tree.ancestors, torch.cat([root, ~others]))  # [N], the exact rule's reach
@@ -462,6 +478,67 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
         chosen = first_argmax(score(hidden[node] * masks[sample, node]))  # [P]
         tokens[sample, node] = chosen if vocab_ids is None else vocab_ids[chosen]
     return tokens, sample.shape[0]
+
+
+CONTEST_EXTENSION_NAME = "eagle_dropmatch_contest"
+
+@functools.cache
+def contest_extension():
+    """The compiled module whose ``contested_children`` runs ``contested_children`` with ``rival_tokens``' rivals
+    (one rounding, no logit transform) in one call (``csrc/dropmatch_contest.cpp``), or None where it cannot be built,
+    the environment sets ``EAGLE_DROPMATCH_CONTEST_EXTENSION=0``, or it does not judge a check case as the Python
+    reference does (one line on stderr says which). Built once per machine (``extensions.load_extension``)."""
+    if os.environ.get("EAGLE_DROPMATCH_CONTEST_EXTENSION", "1") == "0":
+        return None
+    module = load_extension(CONTEST_EXTENSION_NAME, "dropmatch_contest.cpp", "the compiled DropMatch contest",
+                            "using the Python one", ("-O3", "-fopenmp"), ("-fopenmp",), vectorized=True)
+    if module is None:
+        return None
+    if not contest_matches_reference(module):
+        print("eagle_dropmatch: the compiled DropMatch contest differs from the Python one here; using the "
+              "Python one", file=sys.stderr, flush=True)
+        return None
+    return module
+
+
+def compiled_contest_applies(hidden: torch.Tensor, masks: torch.Tensor, logits: torch.Tensor,
+                             lm_head: TargetLMHead, vocab_ids: torch.Tensor | None) -> bool:
+    """Whether ``contest_extension`` can judge this round: CPU tensors of one dtype (fp32, bf16 or fp16), the
+    whole vocabulary scored (no shortlist) and a head whose logits are rounded once (no logit transform)."""
+    dtype = hidden.dtype
+    return (vocab_ids is None and lm_head.rounding_steps == 1 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(t.is_cpu and t.dtype == dtype for t in (hidden, masks, logits, lm_head.weight))
+            and (lm_head.bias is None or lm_head.bias.is_cpu))
+
+
+def contest_matches_reference(module, nodes: int = 9, samples: int = 4, width: int = 48, vocab: int = 4200) -> bool:
+    """Whether ``module`` passes the same children as ``contested_children`` with ``rival_tokens``' rivals on a
+    random tree whose children carry their parents' best undropped tokens (many pass, many fail), in fp32 and
+    bf16, with and without a bias. Random inputs put no logit on a rounding boundary, so the two must agree."""
+    generator = torch.Generator().manual_seed(0)
+    parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 4])[:nodes]
+    for dtype in (torch.float32, torch.bfloat16):
+        for with_bias in (False, True):
+            linear = torch.nn.Linear(width, vocab, bias=with_bias).to(dtype)
+            with torch.no_grad():
+                linear.weight.copy_(torch.randn(vocab, width, generator=generator) * 0.3)
+                if with_bias:
+                    linear.bias.copy_(torch.randn(vocab, generator=generator))
+                head = TargetLMHead(linear)
+                hidden = torch.randn(nodes, width, generator=generator).to(dtype)
+                masks = (torch.rand((samples, nodes, width), generator=generator) >= 0.3).to(dtype)
+                logits = head(hidden)  # [N, V]
+                undropped = first_argmax(logits)
+                pick = torch.randint(4, (nodes,), generator=generator)
+                tokens = logits.topk(4, dim=-1).indices[parents.clamp(min=0), pick]  # a parent's 1st-4th best
+                tree = DraftTree.from_parents(tokens, parents)
+                contest = torch.rand((samples, nodes - 1), generator=generator) >= 0.2
+                ours = module.contested_children(hidden, masks, logits, undropped, tree.tokens[1:], tree.parents[1:],
+                                                 contest, head.weight, float(head.max_row_norm()), head.bias)
+                theirs = contest & contested_children(hidden, masks, tree, rival_tokens(logits, undropped), head)
+            if not torch.equal(ours, theirs) or not bool(theirs.any()) or bool(theirs.all()):
+                return False
+    return True
 
 
 def lm_head_with_samples(lm_head: TargetLMHead, hidden: torch.Tensor,

@@ -74,8 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
            "passes) or contested (only samples under whose mask a child may beat the node's best undropped "
            "tokens, judged from a few logits each: fewest rows, one product; agreement is not measured). Same "
            "decisions; reachable and contested need the match rule at temperature 0. Default: contested where "
-           "it applies and the linear layers run on fbgemm's fp16 kernel (LM-head rows are expensive there), "
-           "else all")
+           "it applies and the linear layers run on packed CPU kernels (bf16 on the CPU), else all")
     a("--seed", type=int, default=0)
     a("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     a("--device", default="cpu", help="cpu, cuda, cuda:N or auto (accelerate device_map)")

@@ -21,8 +21,8 @@ from transformers import DynamicCache
 from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, exact, longest_accepted_path,
                          make_rule, rejection_tokens)
 from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, check_sample_rows, check_shortlist,
-                        choose_protect, contested_sample_tokens, deciding_nodes, dropout_inputs, dropout_masks,
-                        lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
+                        choose_protect, contest_extension, contested_sample_tokens, deciding_nodes, dropout_inputs,
+                        dropout_masks, lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
                         shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
 from .tree import DraftTree
@@ -291,6 +291,8 @@ class SpeculativeDecoder:
         rescale = rescale_needed(dm, cfg.temperature, self.lm_head.bias)
         check_shortlist(dm, cfg.temperature)
         check_sample_rows(dm, cfg.temperature)
+        if dm.active and dm.rows == "contested" and self.device.type == "cpu":
+            contest_extension()  # built (once per machine) or found before the clock starts
         shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
         selective = dm.rows != "all"  # samples scored after the LM head, only those that can change the path
         measures_agreement = dm.active and dm.rows != "contested"  # contested leaves most sample tokens unknown

@@ -256,16 +256,18 @@ def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temp
     """How DropMatch's samples go through the LM head when not given (``DropMatchConfig.rows``).
 
     "contested" (only the samples under whose mask a child may be the argmax, in one product; the same
-    decisions) on fbgemm's fp16 kernel, where DropMatch is on over the whole vocabulary and the rule allows
-    it (match, temperature 0): that kernel reads the LM head's weight once per 6 rows, so every sample row
-    costs, and contested scores about 0.6 per round where level by level ("reachable") scores 8 and stacking
-    ("all") 16.6: 4.4-4.5% of a round against 12-13% and 19-20% (README, "On a CPU without native bf16"). "all"
-    (every node's samples stacked into the tree's matmul, the weight read once) elsewhere, where a stacked
-    row costs a little arithmetic (not measured against contested there), and with a shortlist, whose
-    products over gathered rows cost less than selecting them saves (2.84% of a round against 3.42% level by
-    level at M = 64, stop 28).
+    decisions) on the packed CPU kernels (``cpu_linear.packing_kernel``: a bf16 model on the CPU), where
+    DropMatch is on over the whole vocabulary and the rule allows it (match, temperature 0). On fbgemm's fp16
+    kernel, which reads the LM head's weight once per 6 rows, every sample row costs: contested scores about
+    0.6 per round where level by level ("reachable") scores 8 and stacking ("all") 16.6, 4.4-4.5% of a round
+    against 12-13% and 19-20% (README, "On a CPU without native bf16"). On oneDNN's bf16 kernel (AVX512-BF16),
+    since the contest runs compiled (``dropmatch.contest_extension``, stop 33): 3.19% against 6.48% at p = 0.3
+    and 1.40% against 1.83% with ``--dropout-p auto`` (Zen 4; the Python contest: 4.70% and 2.73%). "all"
+    (every node's samples stacked into the tree's matmul, the weight read once) elsewhere (stock layers, a
+    GPU: not measured against contested there), and with a shortlist, whose products over gathered rows cost
+    less than selecting them saves (2.84% of a round against 3.42% level by level at M = 64, stop 28).
     """
-    selective = (kernel == "fp16" and dropmatch_k > 0 and rule == "match" and temperature == 0
+    selective = (kernel in ("fp16", "onednn") and dropmatch_k > 0 and rule == "match" and temperature == 0
                  and shortlist == 0)
     return "contested" if selective else "all"
 

@@ -5,7 +5,8 @@
 Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5; p=0.3 by default, several with ``--dropout-p 0.3 auto
 --protect 0 auto``; each also with its samples scored over a shortlist with ``--shortlist M``, and level by
 level at reached nodes only with ``--rows all reachable``) on the same MT-Bench prompts, interleaved question
-by question; ``--rows ... contested``: only the samples a child may win), and prints the mean milliseconds per
+by question; ``--rows ... contested``: only the samples a child may win, judged by the compiled contest and,
+with ``--contest compiled python``, also by the Python reference), and prints the mean milliseconds per
 round in each section (medians over questions) and the
 DropMatch sample rows computed per round. Those rows share the undropped rows' LM-head matmul (or, with a
 shortlist or level by level, are scored after it, in "dropmatch"), so part of DropMatch's cost may be inside
@@ -23,6 +24,7 @@ Not a test: the figures depend on the machine's load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -35,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # script_args, when not run as a script
 
 from eagle_dropmatch.acceptance import first_argmax  # noqa: E402
+from eagle_dropmatch import dropmatch  # noqa: E402
 from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
 from eagle_dropmatch.loading import LoadError, default_total_token, parse_dropout_p, parse_protect  # noqa: E402
@@ -127,6 +130,21 @@ def rescale_flip_share(model, prompts: list[torch.Tensor], ps=(0.001, 0.01, 0.05
     return {"positions": positions, "share": {p: flips[p] / positions for p in ps}}
 
 
+@contextlib.contextmanager
+def contest_of(variant: str):
+    """A variant named "... contest=python" runs as the engine does where the compiled contest is unavailable
+    (``dropmatch.contest_extension`` answers None inside the block); any other as it is."""
+    if not variant.endswith(" contest=python"):
+        yield
+        return
+    saved = dropmatch.contest_extension
+    dropmatch.contest_extension = lambda: None
+    try:
+        yield
+    finally:
+        dropmatch.contest_extension = saved
+
+
 def round_record(out, timer: RoundTimer) -> dict:
     """Milliseconds per verification round in each section of one generation, its round, tau and tokens/s."""
     rounds = out.rounds - 1  # the prefill is not a verification round
@@ -189,6 +207,9 @@ def main(argv=None) -> int:
                         "the LM-head matmul), reachable (level by level, only at reached nodes) and/or "
                         "contested (only where a child may win); with all among them, the table also says on "
                         "how many questions each other gives the same tokens")
+    p.add_argument("--contest", nargs="+", default=["compiled"], choices=["compiled", "python"],
+                   help="with rows contested: the compiled contest (csrc/dropmatch_contest.cpp, where it builds) "
+                        "and/or the Python reference, one variant each, side by side")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
@@ -210,15 +231,18 @@ def main(argv=None) -> int:
             for m in [0, *args.shortlist]:
                 for rows in args.rows:
                     label = name + (f" M={m}" if m else "") + ("" if rows == "all" else f" rows={rows}")
-                    variants[label] = dict(base, dropmatch_shortlist=m, dropmatch_rows=rows)
+                    for contest in (args.contest if rows == "contested" else ["compiled"]):
+                        suffix = " contest=python" if contest == "python" else ""
+                        variants[label + suffix] = dict(base, dropmatch_shortlist=m, dropmatch_rows=rows)
         model, questions = load_model_and_questions(args)
         if args.total_token is None:
             args.total_token = default_total_token(model.kernel)
         shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
                      max_new_tokens=args.max_new_tokens)
         first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])
-        for kwargs in variants.values():  # warm-up: a setting the engine refuses is refused here, before timing
-            model.generate(first, **{**shape, **kwargs, "max_new_tokens": 16})
+        for name, kwargs in variants.items():  # warm-up: a setting the engine refuses is refused here, before timing
+            with contest_of(name):
+                model.generate(first, **{**shape, **kwargs, "max_new_tokens": 16})
     except (LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -229,12 +253,13 @@ def main(argv=None) -> int:
     for ids in prompts:
         for name, kwargs in variants.items():
             timer = RoundTimer(model.decoder.device)
-            out = model.generate(ids, **shape, **kwargs, timer=timer)
+            with contest_of(name):
+                out = model.generate(ids, **shape, **kwargs, timer=timer)
             per_question[name].append(round_record(out, timer))
             answers[name].append(out.token_ids)
     table = round_table(per_question)
     for name in variants:  # the level-by-level rows decide as the stacked ones: on how many answers, measured
-        stacked = name.rsplit(" rows=", 1)[0]
+        stacked = name.removesuffix(" contest=python").rsplit(" rows=", 1)[0]
         if stacked != name and stacked in answers:
             table[name]["same_tokens_as_all_rows"] = sum(a == b for a, b in zip(answers[name], answers[stacked]))
     costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [1, 5, 10, 20, 30])

@@ -247,21 +247,22 @@ def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, ca
     assert model.drafter("eagle3", DecodeConfig(), total_token=4).max_nodes == 4
 
 
-def test_dropmatch_scores_contested_rows_by_default_on_the_fp16_kernel(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """On fbgemm's fp16 kernel (it reads the weight once per 6 rows) only DropMatch's contested samples are scored
-    by default, where the rule allows it (match, temperature 0) and no shortlist is asked for; elsewhere, with
-    sampling, a shortlist or DropMatch off, they are stacked ("all"); a given --dropmatch-rows wins. The meta
-    records the rows used, and the Python API picks the same."""
+def test_dropmatch_scores_contested_rows_by_default_on_the_packed_kernels(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """On the packed CPU kernels (fbgemm's fp16, oneDNN's bf16) only DropMatch's contested samples are scored
+    by default, where the rule allows it (match, temperature 0) and no shortlist is asked for; elsewhere (stock
+    layers), with sampling, a shortlist or DropMatch off, they are stacked ("all"); a given --dropmatch-rows
+    wins. The meta records the rows used, and the Python API picks the same."""
     import eagle_dropmatch.generate as engine
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.loading import default_dropmatch_rows, load
-    assert default_dropmatch_rows("fp16", 5, "match", 0.0) == "contested"
+    assert default_dropmatch_rows("fp16", 5, "match", 0.0) == default_dropmatch_rows("onednn", 5, "match", 0.0) \
+        == "contested"
     assert {default_dropmatch_rows("fp16", 0, "match", 0.0), default_dropmatch_rows("fp16", 5, "match", 0.7),
-            default_dropmatch_rows("fp16", 5, "topk", 0.0), default_dropmatch_rows("onednn", 5, "match", 0.0),
+            default_dropmatch_rows("fp16", 5, "topk", 0.0), default_dropmatch_rows("onednn", 5, "match", 0.7),
             default_dropmatch_rows(None, 5, "match", 0.0),
             default_dropmatch_rows("fp16", 5, "match", 0.0, shortlist=64)} == {"all"}
     d = tiny_model_dir
-    here = "contested" if packing_kernel() == "fp16" else "all"
+    here = "contested" if packing_kernel() is not None else "all"
     dm = ["--dropmatch-k", "5", "--dropout-p", "0.3"]
     for name, flags, rows in (("fp32", ["--dtype", "float32", *dm], "all"),
                               ("bf16", ["--dtype", "bfloat16", *dm], here),
@@ -276,7 +277,7 @@ def test_dropmatch_scores_contested_rows_by_default_on_the_fp16_kernel(tiny_mode
     monkeypatch.setattr(engine, "contested_sample_tokens", lambda *a, **k: calls.append(1) or scored(*a, **k))
     prompt = model.chat_ids([{"role": "user", "content": "Say hi."}])
     model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3)
-    assert bool(calls) == (model.kernel == "fp16")
+    assert bool(calls) == (model.kernel is not None)
     calls.clear()
     model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3, dropmatch_rows="all")
     model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3, dropmatch_shortlist=4)

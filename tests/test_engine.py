@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from eagle_dropmatch import dropmatch
 from eagle_dropmatch.drafters import Eagle3Drafter
 from eagle_dropmatch.dropmatch import DropMatchConfig
 from eagle_dropmatch.generate import DecodeConfig, RoundTimer, SpeculativeDecoder
@@ -193,6 +194,31 @@ def test_dropmatch_reachable_and_contested_rows_decide_as_all_rows(target):
         with pytest.raises(ValueError, match="needs the match rule at temperature 0"):
             engine.generate(prompt, OracleDrafter(reference, depth=5, vocab=96), DecodeConfig(
                 max_new_tokens=4, temperature=0.7, dropmatch=DropMatchConfig(k=5, p=0.3, rows=how)))
+
+
+def test_contested_rows_decide_the_same_with_the_compiled_or_the_python_contest(target, monkeypatch):
+    """The engine judges contested children with the compiled contest where it builds (here it is called) and
+    with the Python one where it does not: the same tokens, rounds and sample rows on branching trees."""
+    compiled = dropmatch.contest_extension()
+    if compiled is None:
+        pytest.skip("the compiled DropMatch contest could not be built here")
+    calls = []
+
+    class Counting:
+        def contested_children(self, *args):
+            calls.append(1)
+            return compiled.contested_children(*args)
+    engine = SpeculativeDecoder(target, AUX)
+    for i, prompt in enumerate(prompts(3, seed=5)):
+        cfg = DecodeConfig(max_new_tokens=24, seed=i, dropmatch=DropMatchConfig(k=5, p=0.3, rows="contested"))
+        out = {}
+        for how, module in (("compiled", Counting()), ("python", None)):
+            monkeypatch.setattr(dropmatch, "contest_extension", lambda module=module: module)
+            out[how] = engine.generate(prompt, Eagle3Drafter(tiny_head(target, seed=i), 16, 4, 4), cfg)
+        a, b = out["compiled"], out["python"]
+        assert a.token_ids == b.token_ids and a.accept_lengths == b.accept_lengths
+        assert a.computed_samples == b.computed_samples
+    assert calls
 
 
 def test_dropmatch_is_deterministic_for_a_seed(target):

@@ -1,0 +1,277 @@
+// DropMatch's contest in one call: which children could be which dropout samples' argmax.
+//
+// The Python reference is eagle_dropmatch.dropmatch.contested_children with its rivals from rival_tokens: a
+// sample at node n can accept a child c other than n's undropped token only if c is the sample's argmax, so
+// the sample's logit for c must be at least its logits for n's rivals (the undropped token and the best few
+// tokens of the best blocks of n's undropped logits) and for c's siblings. On a CPU those two functions take
+// 0.5-0.7 ms a round, most of it in the overhead of their few dozen small ops; here the same test is a few
+// loops over the samples that are contested at all: each sample's dropped input rounded as the scorer gets it,
+// its fp32 dot products with the rows of W it needs, and the rounding test of dropmatch.may_win for one
+// rounding (no logit transform). The sums run in another order than torch's, which the error bound
+// (dropmatch.accumulation_error) covers, so a child passes here exactly where it passes there except where a
+// logit sits on a rounding boundary.
+//
+// Built at first use by eagle_dropmatch.dropmatch.contest_extension (torch.utils.cpp_extension), for the CPU's
+// vector instructions; the engine runs the Python reference where it cannot be built.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRivalBlock = 256;     // dropmatch.RIVAL_BLOCK
+constexpr int64_t kRivalBlocks = 16;     // dropmatch.RIVAL_BLOCKS
+constexpr int64_t kRivalsPerBlock = 4;   // dropmatch.RIVALS_PER_BLOCK
+
+// The `count` ids of values[first, last) with the highest values (ties towards the lower id), appended to `out`.
+template <typename T>
+void append_best(const T* values, int64_t first, int64_t last, int64_t count, std::vector<int64_t>& out) {
+  std::vector<int64_t> ids(last - first);
+  std::iota(ids.begin(), ids.end(), first);
+  count = std::min<int64_t>(count, static_cast<int64_t>(ids.size()));
+  std::partial_sort(ids.begin(), ids.begin() + count, ids.end(), [values](int64_t a, int64_t b) {
+    const float va = static_cast<float>(values[a]), vb = static_cast<float>(values[b]);
+    return va > vb || (va == vb && a < b);
+  });
+  out.insert(out.end(), ids.begin(), ids.begin() + count);
+}
+
+// A node's rivals, as dropmatch.rival_tokens: its undropped token, then the best `per_block` tokens of each of
+// the `blocks` blocks of kRivalBlock ids with the highest maxima (a partial last block left out), or the exact
+// best blocks x per_block tokens of a vocabulary of fewer blocks.
+template <typename T>
+std::vector<int64_t> rivals_of(const T* logits, int64_t vocab, int64_t undropped, int64_t blocks, int64_t per_block) {
+  std::vector<int64_t> rivals{undropped};
+  const int64_t count = vocab / kRivalBlock;
+  if (count < blocks) {
+    append_best(logits, 0, vocab, blocks * per_block, rivals);
+    return rivals;
+  }
+  std::vector<float> maxima(count);
+  for (int64_t b = 0; b < count; ++b) {
+    const T* block = logits + b * kRivalBlock;
+    float best = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : best)
+    for (int64_t i = 0; i < kRivalBlock; ++i) {
+      best = std::max(best, static_cast<float>(block[i]));
+    }
+    maxima[b] = best;
+  }
+  std::vector<int64_t> best_blocks;
+  append_best(maxima.data(), 0, count, blocks, best_blocks);
+  for (const int64_t b : best_blocks) {
+    append_best(logits, b * kRivalBlock, (b + 1) * kRivalBlock, per_block, rivals);
+  }
+  return rivals;
+}
+
+// A row of T widened to fp32 (bf16 by a shift of its bits, which the compiler vectorizes).
+template <typename T>
+inline void widen(const T* w, float* out, int64_t width) {
+  for (int64_t i = 0; i < width; ++i) {
+    out[i] = static_cast<float>(w[i]);
+  }
+}
+
+template <>
+inline void widen<c10::BFloat16>(const c10::BFloat16* w, float* out, int64_t width) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(w);
+  uint32_t* wide = reinterpret_cast<uint32_t*>(out);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    wide[i] = static_cast<uint32_t>(bits[i]) << 16;
+  }
+}
+
+// sum_i x[i] * w[i] in fp32 (the lanes summed in any order: the error bound allows it).
+inline float dot(const float* x, const float* w, int64_t width) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < width; ++i) {
+    sum += x[i] * w[i];
+  }
+  return sum;
+}
+
+// A value rounded to the scorer's output dtype, as Tensor.to rounds it (to nearest, ties to even).
+template <typename T>
+inline float rounded(float value) {
+  return static_cast<float>(static_cast<T>(value));
+}
+
+template <typename T>
+at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::Tensor& logits,
+                   const at::Tensor& undropped, const at::Tensor& children, const at::Tensor& parents,
+                   const at::Tensor& contested, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   double max_row_norm) {
+  const int64_t k = masks.size(0), n = masks.size(1), width = masks.size(2), vocab = logits.size(1);
+  const int64_t edges = n - 1;
+  const T* hidden_ptr = hidden.data_ptr<T>();
+  const T* masks_ptr = masks.data_ptr<T>();
+  const T* logits_ptr = logits.data_ptr<T>();
+  const T* weight_ptr = weight.data_ptr<T>();
+  const int64_t* undropped_ptr = undropped.data_ptr<int64_t>();
+  const int64_t* children_ptr = children.data_ptr<int64_t>();
+  const int64_t* parents_ptr = parents.data_ptr<int64_t>();
+  const bool* contested_ptr = contested.data_ptr<bool>();
+  std::vector<float> bias_values;
+  if (bias.has_value()) {
+    const auto b = bias->to(at::kFloat).contiguous();
+    bias_values.assign(b.data_ptr<float>(), b.data_ptr<float>() + vocab);
+  }
+  auto bias_of = [&](int64_t id) { return bias_values.empty() ? 0.0f : bias_values[id]; };
+
+  // Each node's children, and the (sample, node) pairs with a contested child.
+  std::vector<std::vector<int64_t>> kids(n);
+  for (int64_t j = 0; j < edges; ++j) {
+    TORCH_CHECK(parents_ptr[j] >= 0 && parents_ptr[j] < n, "parent ", parents_ptr[j], " out of range");
+    TORCH_CHECK(children_ptr[j] >= 0 && children_ptr[j] < vocab, "token ", children_ptr[j], " out of range");
+    kids[parents_ptr[j]].push_back(j);
+  }
+  std::vector<std::pair<int64_t, int64_t>> pairs;  // (sample, node)
+  std::vector<char> needed(n, 0);
+  for (int64_t s = 0; s < k; ++s) {
+    for (int64_t node = 0; node < n; ++node) {
+      const bool any = std::any_of(kids[node].begin(), kids[node].end(),
+                                   [&](int64_t j) { return contested_ptr[s * edges + j]; });
+      if (any) {
+        pairs.emplace_back(s, node);
+        needed[node] = 1;
+      }
+    }
+  }
+  auto passes = at::zeros({k, edges}, contested.options());
+  if (pairs.empty()) {
+    return passes;
+  }
+  bool* passes_ptr = passes.data_ptr<bool>();
+
+  std::vector<int64_t> nodes;
+  for (int64_t node = 0; node < n; ++node) {
+    if (needed[node]) {
+      TORCH_CHECK(undropped_ptr[node] >= 0 && undropped_ptr[node] < vocab, "token ", undropped_ptr[node],
+                  " out of range");
+      nodes.push_back(node);
+    }
+  }
+  std::vector<std::vector<int64_t>> rivals(n);
+  at::parallel_for(0, static_cast<int64_t>(nodes.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t node = nodes[i];
+      rivals[node] = rivals_of(logits_ptr + node * vocab, vocab, undropped_ptr[node], kRivalBlocks, kRivalsPerBlock);
+    }
+  });
+
+  // accumulation_error's factor: 4 (H + 1) 2^-24, times |x| and the largest row norm.
+  const float error_factor = static_cast<float>(4.0 * static_cast<double>(width + 1) * std::ldexp(1.0, -24));
+  const float row_norm = static_cast<float>(max_row_norm);
+  // The scorer's input of a pair, hidden * mask rounded to the model's dtype, and its error bound.
+  auto input_of = [&](int64_t s, int64_t node, std::vector<float>& x) {
+    const T* h = hidden_ptr + node * width;
+    const T* m = masks_ptr + (s * n + node) * width;
+    for (int64_t i = 0; i < width; ++i) {
+      x[i] = static_cast<float>(static_cast<T>(static_cast<float>(h[i]) * static_cast<float>(m[i])));
+    }
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < width; ++i) {
+      squares += x[i] * x[i];
+    }
+    return (error_factor * std::sqrt(squares)) * row_norm;
+  };
+  // Every pair: its dropped input, then its logits for the node's rivals and children.
+  at::parallel_for(0, static_cast<int64_t>(pairs.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(width), row(width), child_logits;
+    auto logit = [&](int64_t id) {
+      widen(weight_ptr + id * width, row.data(), width);
+      return dot(x.data(), row.data(), width) + bias_of(id);
+    };
+    for (int64_t p = begin; p < end; ++p) {
+      const auto [s, node] = pairs[p];
+      const float error = input_of(s, node, x);
+      float best = -std::numeric_limits<float>::infinity();
+      for (const int64_t id : rivals[node]) {
+        best = std::max(best, logit(id));
+      }
+      const auto& siblings = kids[node];
+      child_logits.resize(siblings.size());
+      for (size_t c = 0; c < siblings.size(); ++c) {
+        const int64_t id = children_ptr[siblings[c]];
+        child_logits[c] = logit(id);
+        best = std::max(best, child_logits[c]);
+      }
+      const float floor = rounded<T>(best - error);  // may_win with one rounding
+      for (size_t c = 0; c < siblings.size(); ++c) {
+        const int64_t j = siblings[c];
+        if (contested_ptr[s * edges + j]) {
+          passes_ptr[s * edges + j] = rounded<T>(child_logits[c] + error) >= floor;
+        }
+      }
+    }
+  });
+  return passes;
+}
+
+// bool [K, N - 1]: `contested` where the child could be the sample's argmax (dropmatch.contested_children's
+// test with rival_tokens' rivals, one rounding), False elsewhere.
+//
+// hidden [N, H], masks [K, N, H], logits [N, V] (the undropped ones) and weight [V, H] in one dtype (fp32,
+// bf16 or fp16), contiguous, on the CPU; undropped [N], children [N - 1] (the tree's tokens 1..N-1) and
+// parents [N - 1] int64; contested bool [K, N - 1], the pairs to test; max_row_norm the largest |row| of
+// weight; bias [V] or None.
+at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks, const at::Tensor& logits,
+                              const at::Tensor& undropped, const at::Tensor& children, const at::Tensor& parents,
+                              const at::Tensor& contested, const at::Tensor& weight, double max_row_norm,
+                              const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(masks.dim() == 3 && hidden.dim() == 2 && logits.dim() == 2 && weight.dim() == 2,
+              "expected masks [K, N, H], hidden [N, H], logits [N, V] and weight [V, H]");
+  const int64_t k = masks.size(0), n = masks.size(1), width = masks.size(2);
+  TORCH_CHECK(n >= 1 && hidden.size(0) == n && hidden.size(1) == width && logits.size(0) == n &&
+                  weight.size(1) == width && logits.size(1) <= weight.size(0),
+              "shapes do not fit: masks ", masks.sizes(), ", hidden ", hidden.sizes(), ", logits ", logits.sizes(),
+              ", weight ", weight.sizes());
+  TORCH_CHECK(undropped.numel() == n && children.numel() == n - 1 && parents.numel() == n - 1 &&
+                  contested.dim() == 2 && contested.size(0) == k && contested.size(1) == n - 1,
+              "tree tensors do not fit ", n, " nodes and ", k, " samples");
+  for (const at::Tensor* t : {&hidden, &masks, &logits, &weight, &undropped, &children, &parents, &contested}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "expected contiguous CPU tensors");
+  }
+  TORCH_CHECK(masks.scalar_type() == hidden.scalar_type() && logits.scalar_type() == hidden.scalar_type() &&
+                  weight.scalar_type() == hidden.scalar_type(),
+              "hidden, masks, logits and weight must share one dtype");
+  TORCH_CHECK(undropped.scalar_type() == at::kLong && children.scalar_type() == at::kLong &&
+                  parents.scalar_type() == at::kLong && contested.scalar_type() == at::kBool,
+              "expected int64 token and parent ids and a bool contest");
+  switch (hidden.scalar_type()) {
+    case at::kFloat:
+      return contest<float>(hidden, masks, logits, undropped, children, parents, contested, weight, bias,
+                            max_row_norm);
+    case at::kBFloat16:
+      return contest<c10::BFloat16>(hidden, masks, logits, undropped, children, parents, contested, weight, bias,
+                                    max_row_norm);
+    case at::kHalf:
+      return contest<c10::Half>(hidden, masks, logits, undropped, children, parents, contested, weight, bias,
+                                max_row_norm);
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", hidden.scalar_type());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("contested_children", &contested_children, pybind11::arg("hidden"), pybind11::arg("masks"),
+             pybind11::arg("logits"), pybind11::arg("undropped"), pybind11::arg("children"),
+             pybind11::arg("parents"), pybind11::arg("contested"), pybind11::arg("weight"),
+             pybind11::arg("max_row_norm"), pybind11::arg("bias") = pybind11::none(),
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+}

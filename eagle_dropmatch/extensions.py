@@ -1,0 +1,75 @@
+"""The package's small C++ modules (``csrc/``), built once per machine at first use.
+
+Two exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``) and
+``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``). Each is
+compiled by torch's C++ extension loader into a folder of its own under the package's cache
+(``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there after.
+Where one cannot be built (no C++ compiler, no ninja, a missing header) its caller runs a Python or torch
+path instead, and one line on stderr says so. Nothing here reaches the network.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SOURCES = Path(__file__).with_name("csrc")
+STALE_BUILD_LOCK_S = 600  # a build takes about a minute; an older lock file belongs to an interrupted one
+
+
+def build_dir(name: str) -> Path:
+    """The folder ``name`` is built in: one per module, torch version and Python version."""
+    from .resources import cache_dir
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_dir() / "extensions" / f"torch-{torch.__version__.replace('+', '-')}-{python}" / name
+
+
+VECTOR_FLAGS = {  # torch's CPU capability -> compiler flags for loops that the compiler vectorizes
+    "AVX2": ("-mavx2", "-mfma", "-mf16c"),
+    "AVX512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+}
+
+
+def vector_flags() -> tuple[str, tuple[str, ...]]:
+    """(a name for, and the compiler flags of) the vector instructions this CPU runs, as torch detects them
+    (``torch.backends.cpu.get_cpu_capability``: AVX512 or AVX2 on x86; anything else: the compiler's
+    default). The name goes into the build folder's, so a cache shared with a different CPU builds its own."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = VECTOR_FLAGS.get(capability, ())
+    return (capability.lower() if flags else "default"), flags
+
+
+def load_extension(name: str, source: str, what: str, instead: str, extra_cflags: tuple[str, ...] = ("-O3",),
+                   extra_ldflags: tuple[str, ...] = (), vectorized: bool = False):
+    """Build (once) and import the module ``name`` from ``csrc/<source>``, or None where that fails.
+
+    Args:
+        name: the module's name (and its build folder's).
+        source: the C++ file under ``csrc/``.
+        what: what it is, for the lines on stderr ("the multi-threaded fp16 kernel").
+        instead: what runs where it cannot be built ("using torch's one-thread binding").
+        extra_cflags, extra_ldflags: compiler and linker flags.
+        vectorized: also compile for this CPU's vector instructions (``vector_flags``), in a folder of its own.
+    """
+    folder = build_dir(name)
+    if vectorized:
+        isa, flags = vector_flags()
+        folder, extra_cflags = folder.with_name(f"{name}-{isa}"), (*extra_cflags, *flags)
+    try:
+        from torch.utils import cpp_extension
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = folder / "lock"  # torch's loader waits while it exists; a build interrupted long ago left it
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
+            lock.unlink(missing_ok=True)
+        if not (folder / f"{name}.so").exists():
+            print(f"eagle_dropmatch: building {what} (once per machine, about a minute)", file=sys.stderr, flush=True)
+        return cpp_extension.load(name, [str(SOURCES / source)], extra_include_paths=[str(SOURCES)],
+                                  extra_cflags=list(extra_cflags), extra_ldflags=list(extra_ldflags),
+                                  build_directory=str(folder), verbose=False)
+    except Exception as error:  # a missing compiler, ninja or header, a failed build: the caller's fallback
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        print(f"eagle_dropmatch: {what} is unavailable ({reason}); {instead}", file=sys.stderr, flush=True)
+        return None
