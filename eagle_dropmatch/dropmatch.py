@@ -33,10 +33,11 @@ child other than its node's undropped token u only if that child is the sample's
 be at least the sample's logit for u, for the node's other high-scoring undropped tokens (``rival_tokens``)
 and for its siblings. Those few logits cost dot products, not a pass over the vocabulary, so
 ``contested_children`` tests every (sample, child) pair at once, in fp32, and ``may_win`` allows for what
-the scorer's own sums and rounding could change (on a CPU the same test runs compiled, in one call:
-``contest_extension``, ``csrc/dropmatch_contest.cpp``). ``contested_sample_tokens`` then scores, in one product, the
-samples with a passing child at nodes that passing children and undropped tokens can reach, where that child
-could end the path ahead of the nodes the exact rule reaches (``could_outrank``): the path is that of "all",
+the scorer's own sums and rounding could change. ``contested_samples`` selects the samples with a passing
+child at nodes that passing children and undropped tokens can reach, where that child could end the path
+ahead of the nodes the exact rule reaches (``could_outrank``); on a CPU the whole selection runs compiled, in
+one call (``contest_extension``, ``csrc/dropmatch_contest.cpp``). ``contested_sample_tokens`` scores those
+samples in one product: the path is that of "all",
 from about 0.6 rows per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8. The other
 samples' tokens stay unknown, so agreement is not measured. The rounds that do score a row (about 26% of them
 at least: those where a sample really accepts a child that could change the path; 29% are scored) still pay
@@ -415,65 +416,82 @@ def contested_children(hidden: torch.Tensor, masks: torch.Tensor, tree, rivals: 
     return may_win(child, best, error, hidden.dtype, lm_head.rounding_steps, size)  # [K, N - 1]
 
 
-def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
-                            logits: torch.Tensor, lm_head: TargetLMHead, rescale: bool, score,
-                            vocab_ids: torch.Tensor | None = None, compiled: bool = True) -> tuple[torch.Tensor, int]:
-    """The match rule's sample tokens, scored only where a child could be the sample's argmax.
+def contested_samples(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
+                      logits: torch.Tensor, lm_head: TargetLMHead, rescale: bool, vocab_ids: torch.Tensor | None = None,
+                      compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (sample, node) pairs whose rows the match rule must score: where a child could be the sample's argmax.
 
-    ``contested_children`` rules out most (sample, child) pairs from a few logits (each node's ``rivals``
+    ``contested_children`` rules out most (sample, child) pairs from a few logits (each node's ``rival_tokens``
     best undropped tokens). A sample that no child passes cannot accept any child the undropped token does
     not, so it is not scored. A child that passes may be accepted, so nodes below it may be reached (through
     undropped tokens and passing children: a superset of the nodes the exact rule reaches). But the nodes
     the exact rule reaches are accepted anyway, so a passing child matters only if some node of its own that
-    may be reached would end the path ahead of them (``could_outrank``). The samples with a child that passes
-    and matters, at nodes that may be reached, are scored, all in one product. So every sample that can
-    change the path is scored, and the path is the one "all" gives; the other samples' tokens are not
-    known (-1), so agreement is not measured.
+    may be reached would end the path ahead of them (``could_outrank``). The pairs are the samples with a
+    child that passes and matters, at nodes that may be reached: every sample that can change the path.
 
     Args:
         hidden: [N, H] undropped LM-head inputs of the tree nodes.
         masks: [K, N, H] dropout multipliers (``dropout_masks``).
-        tree: the ``DraftTree`` (tokens, parents, ancestors).
+        tree: the ``DraftTree`` (tokens, parents, depths, ancestors).
         target_tokens: [N] the undropped argmax tokens.
-        logits: [N, V] the undropped logits (each node's best ``rivals`` tokens are its rivals).
+        logits: [N, V] the undropped logits (each node's best tokens are its rivals), or [N, U] over
+            ``vocab_ids``.
         lm_head: the target's LM head, for ``contested_children``.
-        rescale: whether the masks carry 1/(1 - p) (``rescale_needed``).
-        score: [P, H] dropped inputs -> [P, V] logits (or [P, U] over ``vocab_ids``).
-        vocab_ids: [U] the token of each column of ``score``'s logits, or None for the whole vocabulary
-            (then a rival outside the shortlist is replaced by one inside).
-        compiled: run the contest in the compiled module (``contest_extension``) where it applies
-            (``compiled_contest_applies``); False, or where it does not: ``rival_tokens`` and
-            ``contested_children``.
+        rescale: whether the masks carry 1/(1 - p) (``rescale_needed``); without it a sample that drops nothing
+            is the undropped row, whose argmax is the undropped token, and contests nothing.
+        vocab_ids: [U] the tokens a sample is scored over, or None for the whole vocabulary (then a rival
+            outside the shortlist is replaced by one inside).
+        compiled: select in the compiled module (``contest_extension``'s ``contested_samples``, the same
+            selection in one call) where it applies (``compiled_contest_applies``).
 
     Returns:
-        ([K, N] tokens, -1 where not scored; the number of sample rows scored).
+        (int64 [P] samples, int64 [P] nodes), sample-major.
     """
-    k, n = masks.shape[:2]
+    if compiled and compiled_contest_applies(hidden, masks, logits, lm_head, vocab_ids):
+        kernel = contest_extension()
+        if kernel is not None:
+            return kernel.contested_samples(hidden, masks, logits, target_tokens, tree.tokens, tree.parents,
+                                            tree.depths, lm_head.weight.detach(), float(lm_head.max_row_norm()),
+                                            lm_head.bias, rescale)
+    k = masks.shape[0]
     parents = tree.parents[1:]  # [N - 1]
-    tokens = torch.full((k, n), -1, dtype=torch.long, device=hidden.device)
     others = other_children(tree, target_tokens)  # [N - 1] children other than u
     contest = others[None].expand(k, -1)  # [K, N - 1]
     if not rescale:  # a sample that drops nothing is the undropped row: its argmax is u
         contest = contest & drops_something(masks)[:, parents]
     if not bool(contest.any()):  # a host sync; with --dropout-p auto most rounds stop here
-        return tokens, 0
-    kernel = contest_extension() if compiled and compiled_contest_applies(hidden, masks, logits, lm_head,
-                                                                         vocab_ids) else None
-    if kernel is not None:  # the same test in one call
-        contest = kernel.contested_children(hidden, masks, logits, target_tokens, tree.tokens[1:], parents,
-                                            contest.contiguous(), lm_head.weight.detach(),
-                                            float(lm_head.max_row_norm()), lm_head.bias)  # [K, N - 1]
-    else:
-        rival_ids = rival_tokens(logits, target_tokens)  # [N, R]
-        if vocab_ids is not None:  # a rival must be one of the tokens scored: else the shortlist's first token
-            rival_ids = torch.where(torch.isin(rival_ids, vocab_ids), rival_ids, vocab_ids[0])
-        contest = contest & contested_children(hidden, masks, tree, rival_ids, lm_head)  # [K, N - 1]
+        none = torch.zeros(0, dtype=torch.long, device=hidden.device)
+        return none, none
+    rival_ids = rival_tokens(logits, target_tokens)  # [N, R]
+    if vocab_ids is not None:  # a rival must be one of the tokens scored: else the shortlist's first token
+        rival_ids = torch.where(torch.isin(rival_ids, vocab_ids), rival_ids, vocab_ids[0])
+    contest = contest & contested_children(hidden, masks, tree, rival_ids, lm_head)  # [K, N - 1]
     root = contest.new_ones(1)
     maybe_reached = reached_through(tree.ancestors, torch.cat([root, ~others | contest.any(dim=0)]))  # [N]
     surely_reached = reached_through(tree.ancestors, torch.cat([root, ~others]))  # [N], the exact rule's reach
     contest = contest & could_outrank(tree.ancestors, tree.depths, surely_reached, maybe_reached)[None, 1:]
     contested = with_flagged_child(tree, contest)  # [K, N], samples with a passing child
-    sample, node = (contested & maybe_reached[None]).nonzero(as_tuple=True)  # [P]; a host sync
+    return (contested & maybe_reached[None]).nonzero(as_tuple=True)  # [P], [P]; a host sync
+
+
+def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
+                            logits: torch.Tensor, lm_head: TargetLMHead, rescale: bool, score,
+                            vocab_ids: torch.Tensor | None = None, compiled: bool = True) -> tuple[torch.Tensor, int]:
+    """The match rule's sample tokens, scored only for the samples ``contested_samples`` selects, all in one
+    product. So every sample that can change the path is scored, and the path is the one "all" gives; the
+    other samples' tokens are not known (-1), so agreement is not measured.
+
+    Args:
+        hidden, masks, tree, target_tokens, logits, lm_head, rescale, vocab_ids, compiled: as
+            ``contested_samples``.
+        score: [P, H] dropped inputs -> [P, V] logits (or [P, U] over ``vocab_ids``).
+
+    Returns:
+        ([K, N] tokens, -1 where not scored; the number of sample rows scored).
+    """
+    tokens = torch.full(masks.shape[:2], -1, dtype=torch.long, device=hidden.device)  # [K, N]
+    sample, node = contested_samples(hidden, masks, tree, target_tokens, logits, lm_head, rescale, vocab_ids,
+                                     compiled)  # [P], [P]
     if sample.shape[0]:
         chosen = first_argmax(score(hidden[node] * masks[sample, node]))  # [P]
         tokens[sample, node] = chosen if vocab_ids is None else vocab_ids[chosen]
@@ -482,10 +500,12 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
 
 CONTEST_EXTENSION_NAME = "eagle_dropmatch_contest"
 
+
 @functools.cache
 def contest_extension():
-    """The compiled module whose ``contested_children`` runs ``contested_children`` with ``rival_tokens``' rivals
-    (one rounding, no logit transform) in one call (``csrc/dropmatch_contest.cpp``), or None where it cannot be built,
+    """The compiled module (``csrc/dropmatch_contest.cpp``) whose ``contested_children`` runs
+    ``contested_children`` with ``rival_tokens``' rivals (one rounding, no logit transform) and whose
+    ``contested_samples`` runs ``contested_samples``, each in one call, or None where it cannot be built,
     the environment sets ``EAGLE_DROPMATCH_CONTEST_EXTENSION=0``, or it does not judge a check case as the Python
     reference does (one line on stderr says which). Built once per machine (``extensions.load_extension``)."""
     if os.environ.get("EAGLE_DROPMATCH_CONTEST_EXTENSION", "1") == "0":
@@ -512,9 +532,10 @@ def compiled_contest_applies(hidden: torch.Tensor, masks: torch.Tensor, logits: 
 
 
 def contest_matches_reference(module, nodes: int = 9, samples: int = 4, width: int = 48, vocab: int = 4200) -> bool:
-    """Whether ``module`` passes the same children as ``contested_children`` with ``rival_tokens``' rivals on a
-    random tree whose children carry their parents' best undropped tokens (many pass, many fail), in fp32 and
-    bf16, with and without a bias. Random inputs put no logit on a rounding boundary, so the two must agree."""
+    """Whether ``module`` passes the same children as ``contested_children`` with ``rival_tokens``' rivals, and
+    selects the same samples as ``contested_samples`` (with and without the rescale), on a random tree whose
+    children carry their parents' best undropped tokens (many pass, many fail), in fp32 and bf16, with and
+    without a bias. Random inputs put no logit on a rounding boundary, so the two must agree."""
     generator = torch.Generator().manual_seed(0)
     parents = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 4])[:nodes]
     for dtype in (torch.float32, torch.bfloat16):
@@ -536,8 +557,15 @@ def contest_matches_reference(module, nodes: int = 9, samples: int = 4, width: i
                 ours = module.contested_children(hidden, masks, logits, undropped, tree.tokens[1:], tree.parents[1:],
                                                  contest, head.weight, float(head.max_row_norm()), head.bias)
                 theirs = contest & contested_children(hidden, masks, tree, rival_tokens(logits, undropped), head)
-            if not torch.equal(ours, theirs) or not bool(theirs.any()) or bool(theirs.all()):
-                return False
+                if not torch.equal(ours, theirs) or not bool(theirs.any()) or bool(theirs.all()):
+                    return False
+                for rescale in (False, True):
+                    ours = module.contested_samples(hidden, masks, logits, undropped, tree.tokens, tree.parents,
+                                                    tree.depths, head.weight, float(head.max_row_norm()), head.bias,
+                                                    rescale)
+                    theirs = contested_samples(hidden, masks, tree, undropped, logits, head, rescale, compiled=False)
+                    if not (torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])):
+                        return False
     return True
 
 

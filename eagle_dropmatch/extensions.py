@@ -64,7 +64,8 @@ def load_extension(name: str, source: str, what: str, instead: str, extra_cflags
         lock = folder / "lock"  # torch's loader waits while it exists; a build interrupted long ago left it
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_BUILD_LOCK_S:
             lock.unlink(missing_ok=True)
-        if not (folder / f"{name}.so").exists():
+        built = folder / f"{name}.so"
+        if not built.exists() or built.stat().st_mtime < (SOURCES / source).stat().st_mtime:
             print(f"eagle_dropmatch: building {what} (once per machine, about a minute)", file=sys.stderr, flush=True)
         return cpp_extension.load(name, [str(SOURCES / source)], extra_include_paths=[str(SOURCES)],
                                   extra_cflags=list(extra_cflags), extra_ldflags=list(extra_ldflags),

@@ -6,7 +6,8 @@ import torch
 from eagle_dropmatch import dropmatch
 from eagle_dropmatch.acceptance import first_argmax
 from eagle_dropmatch.dropmatch import (compiled_contest_applies, contest_extension, contested_children,
-                                       contested_sample_tokens, dropout_masks, other_children, rival_tokens)
+                                       contested_sample_tokens, contested_samples, dropout_masks, other_children,
+                                       rival_tokens)
 from eagle_dropmatch.tree import DraftTree
 from eagle_dropmatch.verify import TargetLMHead
 
@@ -105,9 +106,9 @@ def test_contested_sample_tokens_give_the_same_tokens_with_either_contest(monkey
     calls = []
 
     class Counting:
-        def contested_children(self, *args):
+        def contested_samples(self, *args):
             calls.append(1)
-            return module.contested_children(*args)
+            return module.contested_samples(*args)
     monkeypatch.setattr(dropmatch, "contest_extension", lambda: Counting())
     scored_rows = 0
     for seed in range(12):
@@ -120,6 +121,27 @@ def test_contested_sample_tokens_give_the_same_tokens_with_either_contest(monkey
         assert torch.equal(fast, slow) and rows == slow_rows
         scored_rows += rows
     assert len(calls) >= 6 and scored_rows > 0
+
+
+@pytest.mark.parametrize("rescale", [False, True])
+def test_the_compiled_selection_picks_the_samples_the_python_one_picks(rescale):
+    """``contested_samples``: the compiled selection (the contest, the reach through undropped tokens and
+    passing children, ``could_outrank`` and the nodes with a passing child) returns the same (sample, node)
+    pairs in the same order as the Python one, in fp32, on trees of every shape; with ``rescale`` a sample that
+    drops nothing contests too. Many rounds select some pairs and some none."""
+    module = compiled()
+    selecting = empty = 0
+    for seed in range(24):
+        head, hidden, masks, logits, undropped, tree, _ = random_round(seed, SHAPES[seed % 3], 4200, torch.float32,
+                                                                       bias=seed % 4 == 1, p=0.3 if seed % 2 else 0.02)
+        with torch.no_grad():
+            ours = module.contested_samples(hidden, masks, logits, undropped, tree.tokens, tree.parents, tree.depths,
+                                            head.weight, float(head.max_row_norm()), head.bias, rescale)
+            theirs = contested_samples(hidden, masks, tree, undropped, logits, head, rescale, compiled=False)
+        assert all(t.dtype == torch.long for t in ours)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]), seed
+        selecting, empty = selecting + (theirs[0].numel() > 0), empty + (theirs[0].numel() == 0)
+    assert selecting >= 4 and empty >= 2
 
 
 def test_the_compiled_contest_applies_only_where_it_judges_as_the_reference():
@@ -143,6 +165,12 @@ def test_a_bad_call_is_one_error_not_a_crash():
         module.contested_children(*args[:4], torch.full_like(tree.tokens[1:], 10**6), *args[5:])
     with pytest.raises(RuntimeError, match="do not fit"):
         module.contested_children(*args[:6], contest[:, :-1], *args[7:])
+    tree_args = (tree.tokens, tree.parents, tree.depths, head.weight.detach(), 1.0)
+    with pytest.raises(RuntimeError, match="depth-major"):
+        module.contested_samples(hidden, masks, logits, undropped, tree.tokens, torch.tensor([-1, 3, 0, 1, 1, 2, 5]),
+                                 *tree_args[2:])  # node 1's parent after it
+    with pytest.raises(RuntimeError, match="int64 CPU tensors of 7 nodes"):
+        module.contested_samples(hidden, masks, logits, undropped, tree.tokens[:-1], *tree_args[1:])
 
 
 @pytest.fixture

@@ -205,9 +205,9 @@ def test_contested_rows_decide_the_same_with_the_compiled_or_the_python_contest(
     calls = []
 
     class Counting:
-        def contested_children(self, *args):
+        def contested_samples(self, *args):
             calls.append(1)
-            return compiled.contested_children(*args)
+            return compiled.contested_samples(*args)
     engine = SpeculativeDecoder(target, AUX)
     for i, prompt in enumerate(prompts(3, seed=5)):
         cfg = DecodeConfig(max_new_tokens=24, seed=i, dropmatch=DropMatchConfig(k=5, p=0.3, rows="contested"))

@@ -1,15 +1,18 @@
-// DropMatch's contest in one call: which children could be which dropout samples' argmax.
+// DropMatch's contest in one call: which children could be which dropout samples' argmax, and so which
+// samples the match rule must score.
 //
-// The Python reference is eagle_dropmatch.dropmatch.contested_children with its rivals from rival_tokens: a
-// sample at node n can accept a child c other than n's undropped token only if c is the sample's argmax, so
-// the sample's logit for c must be at least its logits for n's rivals (the undropped token and the best few
-// tokens of the best blocks of n's undropped logits) and for c's siblings. On a CPU those two functions take
-// 0.5-0.7 ms a round, most of it in the overhead of their few dozen small ops; here the same test is a few
-// loops over the samples that are contested at all: each sample's dropped input rounded as the scorer gets it,
-// its fp32 dot products with the rows of W it needs, and the rounding test of dropmatch.may_win for one
-// rounding (no logit transform). The sums run in another order than torch's, which the error bound
-// (dropmatch.accumulation_error) covers, so a child passes here exactly where it passes there except where a
-// logit sits on a rounding boundary.
+// The Python reference is eagle_dropmatch.dropmatch.contested_samples, with contested_children and its rivals
+// from rival_tokens: a sample at node n can accept a child c other than n's undropped token only if c is the
+// sample's argmax, so the sample's logit for c must be at least its logits for n's rivals (the undropped token
+// and the best few tokens of the best blocks of n's undropped logits) and for c's siblings; the samples worth
+// scoring are those with such a child that could change the path. On a CPU the reference takes 0.6-1 ms a
+// round, most of it in the overhead of a few dozen small tensor ops; here contested_children is a few loops
+// over the nodes with a contested child (their rivals, then for each of their samples the dropped input
+// rounded as the scorer gets it, its fp32 dot products with the rivals' and children's rows of W and
+// the rounding test of dropmatch.may_win for one rounding, no logit transform), and contested_samples adds
+// the selection on the tree (reach, acceptance.could_outrank) in plain loops over its few nodes. The sums run
+// in another order than torch's, which the error bound (dropmatch.accumulation_error) covers, so a child
+// passes here exactly where it passes there except where a logit sits on a rounding boundary.
 //
 // Built at first use by eagle_dropmatch.dropmatch.contest_extension (torch.utils.cpp_extension), for the CPU's
 // vector instructions; the engine runs the Python reference where it cannot be built.
@@ -23,6 +26,7 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -74,30 +78,34 @@ std::vector<int64_t> rivals_of(const T* logits, int64_t vocab, int64_t undropped
   return rivals;
 }
 
-// A row of T widened to fp32 (bf16 by a shift of its bits, which the compiler vectorizes).
+// sum_i x[i] * w[i] in fp32, w widened as it is read (bf16 by a shift of its bits, which the compiler
+// vectorizes; the lanes summed in any order: the error bound allows it).
 template <typename T>
-inline void widen(const T* w, float* out, int64_t width) {
+inline float dot(const float* x, const T* w, int64_t width) {
+  float sum = 0.0f;
   for (int64_t i = 0; i < width; ++i) {
-    out[i] = static_cast<float>(w[i]);
+    sum += x[i] * static_cast<float>(w[i]);
   }
+  return sum;
 }
 
 template <>
-inline void widen<c10::BFloat16>(const c10::BFloat16* w, float* out, int64_t width) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(w);
-  uint32_t* wide = reinterpret_cast<uint32_t*>(out);
-#pragma omp simd
-  for (int64_t i = 0; i < width; ++i) {
-    wide[i] = static_cast<uint32_t>(bits[i]) << 16;
-  }
-}
-
-// sum_i x[i] * w[i] in fp32 (the lanes summed in any order: the error bound allows it).
-inline float dot(const float* x, const float* w, int64_t width) {
+inline float dot<float>(const float* x, const float* w, int64_t width) {
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < width; ++i) {
     sum += x[i] * w[i];
+  }
+  return sum;
+}
+
+template <>
+inline float dot<c10::BFloat16>(const float* x, const c10::BFloat16* w, int64_t width) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(w);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < width; ++i) {
+    sum += x[i] * __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
   }
   return sum;
 }
@@ -130,31 +138,19 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
   }
   auto bias_of = [&](int64_t id) { return bias_values.empty() ? 0.0f : bias_values[id]; };
 
-  // Each node's children, and the (sample, node) pairs with a contested child.
+  // Each node's children, and the nodes with a contested child.
   std::vector<std::vector<int64_t>> kids(n);
+  std::vector<char> needed(n, 0);
   for (int64_t j = 0; j < edges; ++j) {
     TORCH_CHECK(parents_ptr[j] >= 0 && parents_ptr[j] < n, "parent ", parents_ptr[j], " out of range");
     TORCH_CHECK(children_ptr[j] >= 0 && children_ptr[j] < vocab, "token ", children_ptr[j], " out of range");
     kids[parents_ptr[j]].push_back(j);
-  }
-  std::vector<std::pair<int64_t, int64_t>> pairs;  // (sample, node)
-  std::vector<char> needed(n, 0);
-  for (int64_t s = 0; s < k; ++s) {
-    for (int64_t node = 0; node < n; ++node) {
-      const bool any = std::any_of(kids[node].begin(), kids[node].end(),
-                                   [&](int64_t j) { return contested_ptr[s * edges + j]; });
-      if (any) {
-        pairs.emplace_back(s, node);
-        needed[node] = 1;
-      }
+    for (int64_t s = 0; s < k; ++s) {
+      needed[parents_ptr[j]] = needed[parents_ptr[j]] || contested_ptr[s * edges + j];
     }
   }
   auto passes = at::zeros({k, edges}, contested.options());
-  if (pairs.empty()) {
-    return passes;
-  }
   bool* passes_ptr = passes.data_ptr<bool>();
-
   std::vector<int64_t> nodes;
   for (int64_t node = 0; node < n; ++node) {
     if (needed[node]) {
@@ -163,13 +159,9 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
       nodes.push_back(node);
     }
   }
-  std::vector<std::vector<int64_t>> rivals(n);
-  at::parallel_for(0, static_cast<int64_t>(nodes.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t node = nodes[i];
-      rivals[node] = rivals_of(logits_ptr + node * vocab, vocab, undropped_ptr[node], kRivalBlocks, kRivalsPerBlock);
-    }
-  });
+  if (nodes.empty()) {
+    return passes;
+  }
 
   // accumulation_error's factor: 4 (H + 1) 2^-24, times |x| and the largest row norm.
   const float error_factor = static_cast<float>(4.0 * static_cast<double>(width + 1) * std::ldexp(1.0, -24));
@@ -188,32 +180,37 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
     }
     return (error_factor * std::sqrt(squares)) * row_norm;
   };
-  // Every pair: its dropped input, then its logits for the node's rivals and children.
-  at::parallel_for(0, static_cast<int64_t>(pairs.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(width), row(width), child_logits;
-    auto logit = [&](int64_t id) {
-      widen(weight_ptr + id * width, row.data(), width);
-      return dot(x.data(), row.data(), width) + bias_of(id);
-    };
-    for (int64_t p = begin; p < end; ++p) {
-      const auto [s, node] = pairs[p];
-      const float error = input_of(s, node, x);
-      float best = -std::numeric_limits<float>::infinity();
-      for (const int64_t id : rivals[node]) {
-        best = std::max(best, logit(id));
-      }
+  // Node by node: its rivals, then each of its samples' dropped input and logits for its rivals and children.
+  at::parallel_for(0, static_cast<int64_t>(nodes.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(width), logits_of;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t node = nodes[i];
+      std::vector<int64_t> ids = rivals_of(logits_ptr + node * vocab, vocab, undropped_ptr[node], kRivalBlocks,
+                                           kRivalsPerBlock);
+      const size_t rival_count = ids.size();
       const auto& siblings = kids[node];
-      child_logits.resize(siblings.size());
-      for (size_t c = 0; c < siblings.size(); ++c) {
-        const int64_t id = children_ptr[siblings[c]];
-        child_logits[c] = logit(id);
-        best = std::max(best, child_logits[c]);
+      for (const int64_t j : siblings) {
+        ids.push_back(children_ptr[j]);
       }
-      const float floor = rounded<T>(best - error);  // may_win with one rounding
-      for (size_t c = 0; c < siblings.size(); ++c) {
-        const int64_t j = siblings[c];
-        if (contested_ptr[s * edges + j]) {
-          passes_ptr[s * edges + j] = rounded<T>(child_logits[c] + error) >= floor;
+      logits_of.resize(ids.size());
+      for (int64_t s = 0; s < k; ++s) {
+        const bool any = std::any_of(siblings.begin(), siblings.end(),
+                                     [&](int64_t j) { return contested_ptr[s * edges + j]; });
+        if (!any) {
+          continue;
+        }
+        const float error = input_of(s, node, x);
+        float best = -std::numeric_limits<float>::infinity();
+        for (size_t r = 0; r < ids.size(); ++r) {
+          logits_of[r] = dot(x.data(), weight_ptr + ids[r] * width, width) + bias_of(ids[r]);
+          best = std::max(best, logits_of[r]);
+        }
+        const float floor = rounded<T>(best - error);  // may_win with one rounding
+        for (size_t c = 0; c < siblings.size(); ++c) {
+          const int64_t j = siblings[c];
+          if (contested_ptr[s * edges + j]) {
+            passes_ptr[s * edges + j] = rounded<T>(logits_of[rival_count + c] + error) >= floor;
+          }
         }
       }
     }
@@ -266,6 +263,105 @@ at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks,
   }
 }
 
+
+// The (sample, node) pairs whose rows the match rule must score, as dropmatch.contested_samples selects them:
+// (int64 [P] samples, int64 [P] nodes), sample-major. A child other than its parent's undropped token is
+// contested by each sample of its parent (without `rescale`, each sample whose mask drops something); the
+// contest keeps those it passes; a node may be reached through undropped tokens and passing children, and
+// surely is through undropped tokens alone; a passing child counts only if some node of its own subtree that
+// may be reached would end the path ahead of every node surely reached (acceptance.could_outrank: deeper, or
+// as deep with a lower index). The pairs: a sample and a node that may be reached with a passing child that
+// counts.
+//
+// tokens, parents and depths [N] int64 describe the tree (root first, depth-major: parents[0] = -1 and every
+// other parent has a lower index); the rest as contested_children.
+std::tuple<at::Tensor, at::Tensor> contested_samples(const at::Tensor& hidden, const at::Tensor& masks,
+                                                     const at::Tensor& logits, const at::Tensor& undropped,
+                                                     const at::Tensor& tokens, const at::Tensor& parents,
+                                                     const at::Tensor& depths, const at::Tensor& weight,
+                                                     double max_row_norm, const std::optional<at::Tensor>& bias,
+                                                     bool rescale) {
+  TORCH_CHECK(masks.dim() == 3, "expected masks [K, N, H], got ", masks.sizes());
+  const int64_t k = masks.size(0), n = masks.size(1), width = masks.size(2), edges = n - 1;
+  for (const at::Tensor* t : {&undropped, &tokens, &parents, &depths}) {
+    TORCH_CHECK(t->numel() == n && t->scalar_type() == at::kLong && t->device().is_cpu() && t->is_contiguous(),
+                "tree tensors must be contiguous int64 CPU tensors of ", n, " nodes");
+  }
+  TORCH_CHECK(masks.device().is_cpu() && masks.is_contiguous(), "expected contiguous CPU tensors");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == n, "shapes do not fit: logits ", logits.sizes());
+  const int64_t vocab = logits.size(1);
+  const int64_t* token_ptr = tokens.data_ptr<int64_t>();
+  const int64_t* parent_ptr = parents.data_ptr<int64_t>();
+  const int64_t* depth_ptr = depths.data_ptr<int64_t>();
+  const int64_t* undropped_ptr = undropped.data_ptr<int64_t>();
+  TORCH_CHECK(n >= 1 && parent_ptr[0] == -1, "the root's parent must be -1");
+  for (int64_t j = 1; j < n; ++j) {
+    TORCH_CHECK(parent_ptr[j] >= 0 && parent_ptr[j] < j, "parent ", parent_ptr[j], " of node ", j,
+                " out of range (nodes must be depth-major)");
+    TORCH_CHECK(undropped_ptr[parent_ptr[j]] >= 0 && undropped_ptr[parent_ptr[j]] < vocab, "token ",
+                undropped_ptr[parent_ptr[j]], " out of range");
+  }
+  auto none = at::empty({0}, tokens.options());
+  // Which samples drop something (the mask has a zero), where that matters.
+  std::vector<char> drops(k * n, 1);
+  if (!rescale) {
+    at::Tensor as_float = masks.to(at::kFloat).contiguous();
+    const float* m = as_float.data_ptr<float>();
+    for (int64_t i = 0; i < k * n; ++i) {
+      drops[i] = std::any_of(m + i * width, m + (i + 1) * width, [](float v) { return v == 0.0f; });
+    }
+  }
+  std::vector<char> other(n, 0);  // non-root nodes whose token is not their parent's undropped token
+  auto contest = at::zeros({k, edges}, masks.options().dtype(at::kBool));
+  bool* contest_ptr = contest.data_ptr<bool>();
+  bool any = false;
+  for (int64_t j = 1; j < n; ++j) {
+    other[j] = token_ptr[j] != undropped_ptr[parent_ptr[j]];
+    for (int64_t s = 0; other[j] && s < k; ++s) {
+      contest_ptr[s * edges + j - 1] = drops[s * n + parent_ptr[j]];
+      any = any || drops[s * n + parent_ptr[j]];
+    }
+  }
+  if (!any) {
+    return {none, none.clone()};
+  }
+  const at::Tensor passes = contested_children(hidden, masks, logits, undropped, tokens.slice(0, 1),
+                                               parents.slice(0, 1), contest, weight, max_row_norm, bias);
+  const bool* pass_ptr = passes.data_ptr<bool>();
+  // Reach (parents come before their children) and the rank the verifier's path ends by.
+  std::vector<char> maybe(n, 1), sure(n, 1), outranks(n, 0);
+  int64_t best_sure = 0;  // the root's rank
+  for (int64_t j = 1; j < n; ++j) {
+    bool passed = false;
+    for (int64_t s = 0; s < k; ++s) passed = passed || pass_ptr[s * edges + j - 1];
+    maybe[j] = maybe[parent_ptr[j]] && (!other[j] || passed);
+    sure[j] = sure[parent_ptr[j]] && !other[j];
+    if (sure[j]) best_sure = std::max(best_sure, depth_ptr[j] * (n + 1) - j);
+  }
+  for (int64_t j = n - 1; j >= 1; --j) {  // a node outranks where its subtree holds a maybe node ahead
+    outranks[j] = outranks[j] || (maybe[j] && depth_ptr[j] * (n + 1) - j > best_sure);
+    outranks[parent_ptr[j]] = outranks[parent_ptr[j]] || outranks[j];
+  }
+  std::vector<int64_t> samples, nodes;
+  for (int64_t s = 0; s < k; ++s) {
+    std::vector<char> flagged(n, 0);
+    for (int64_t j = 1; j < n; ++j) {
+      if (pass_ptr[s * edges + j - 1] && outranks[j]) flagged[parent_ptr[j]] = 1;
+    }
+    for (int64_t node = 0; node < n; ++node) {
+      if (flagged[node] && maybe[node]) {
+        samples.push_back(s);
+        nodes.push_back(node);
+      }
+    }
+  }
+  const int64_t count = static_cast<int64_t>(samples.size());
+  auto sample_ids = at::empty({count}, tokens.options()), node_ids = at::empty({count}, tokens.options());
+  std::copy(samples.begin(), samples.end(), sample_ids.data_ptr<int64_t>());
+  std::copy(nodes.begin(), nodes.end(), node_ids.data_ptr<int64_t>());
+  return {sample_ids, node_ids};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -274,4 +370,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("parents"), pybind11::arg("contested"), pybind11::arg("weight"),
              pybind11::arg("max_row_norm"), pybind11::arg("bias") = pybind11::none(),
              pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("contested_samples", &contested_samples, pybind11::arg("hidden"), pybind11::arg("masks"),
+             pybind11::arg("logits"), pybind11::arg("undropped"), pybind11::arg("tokens"),
+             pybind11::arg("parents"), pybind11::arg("depths"), pybind11::arg("weight"),
+             pybind11::arg("max_row_norm"), pybind11::arg("bias") = pybind11::none(),
+             pybind11::arg("rescale") = false, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
