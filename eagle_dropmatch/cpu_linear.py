@@ -94,17 +94,12 @@ def fp16_extension():
     ``EAGLE_DROPMATCH_FP16_EXTENSION=0``, or it cannot be built or does not give torch's binding's output bit
     for bit (one line on stderr says which). Built once per machine (``extensions.load_extension``) and
     loaded from the package's cache after."""
-    if os.environ.get("EAGLE_DROPMATCH_FP16_EXTENSION", "1") == "0" or not fbgemm_fp16_works():
+    if not fbgemm_fp16_works():
         return None
-    module = load_extension(EXTENSION_NAME, "fp16_linear.cpp", "the multi-threaded fp16 kernel",
-                            "using torch's one-thread binding", ("-O3", "-fopenmp"), ("-fopenmp",))
-    if module is None:
-        return None
-    if not extension_matches_binding(module):
-        print("eagle_dropmatch: the multi-threaded fp16 kernel differs from torch's binding here; using the "
-              "binding", file=sys.stderr, flush=True)
-        return None
-    return module
+    return load_extension(EXTENSION_NAME, "fp16_linear.cpp", "the multi-threaded fp16 kernel",
+                          "using torch's one-thread binding", ("-O3", "-fopenmp"), ("-fopenmp",),
+                          switch="EAGLE_DROPMATCH_FP16_EXTENSION", check=extension_matches_binding,
+                          reference="torch's binding")
 
 
 def extension_matches_binding(module, shapes=((1, 96, 200), (7, 64, 40), (13, 576, 1536))) -> bool:

@@ -58,8 +58,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -508,17 +506,10 @@ def contest_extension():
     ``contested_samples`` runs ``contested_samples``, each in one call, or None where it cannot be built,
     the environment sets ``EAGLE_DROPMATCH_CONTEST_EXTENSION=0``, or it does not judge a check case as the Python
     reference does (one line on stderr says which). Built once per machine (``extensions.load_extension``)."""
-    if os.environ.get("EAGLE_DROPMATCH_CONTEST_EXTENSION", "1") == "0":
-        return None
-    module = load_extension(CONTEST_EXTENSION_NAME, "dropmatch_contest.cpp", "the compiled DropMatch contest",
-                            "using the Python one", ("-O3", "-fopenmp"), ("-fopenmp",), vectorized=True)
-    if module is None:
-        return None
-    if not contest_matches_reference(module):
-        print("eagle_dropmatch: the compiled DropMatch contest differs from the Python one here; using the "
-              "Python one", file=sys.stderr, flush=True)
-        return None
-    return module
+    return load_extension(CONTEST_EXTENSION_NAME, "dropmatch_contest.cpp", "the compiled DropMatch contest",
+                          "using the Python one", ("-O3", "-fopenmp"), ("-fopenmp",), vectorized=True,
+                          switch="EAGLE_DROPMATCH_CONTEST_EXTENSION", check=contest_matches_reference,
+                          reference="the Python one")
 
 
 def compiled_contest_applies(hidden: torch.Tensor, masks: torch.Tensor, logits: torch.Tensor,

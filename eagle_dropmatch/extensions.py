@@ -4,14 +4,18 @@ Two exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu
 ``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``). Each is
 compiled by torch's C++ extension loader into a folder of its own under the package's cache
 (``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there after.
-Where one cannot be built (no C++ compiler, no ninja, a missing header) its caller runs a Python or torch
-path instead, and one line on stderr says so. Nothing here reaches the network.
+Each is checked against the Python or torch code it replaces on a small case before it is used. Where one is
+switched off (an environment variable), cannot be built (no C++ compiler, no ninja, a missing header) or
+fails its check, its caller runs that code instead, and one line on stderr says why (but not for the
+switch). Nothing here reaches the network.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,17 +47,34 @@ def vector_flags() -> tuple[str, tuple[str, ...]]:
 
 
 def load_extension(name: str, source: str, what: str, instead: str, extra_cflags: tuple[str, ...] = ("-O3",),
-                   extra_ldflags: tuple[str, ...] = (), vectorized: bool = False):
-    """Build (once) and import the module ``name`` from ``csrc/<source>``, or None where that fails.
+                   extra_ldflags: tuple[str, ...] = (), vectorized: bool = False, switch: str | None = None,
+                   check: Callable[[object], bool] | None = None, reference: str = "its reference"):
+    """Build (once) and import the module ``name`` from ``csrc/<source>``, or None where it is switched off,
+    cannot be built, or fails its check (one line on stderr says which, but not for the switch).
 
     Args:
         name: the module's name (and its build folder's).
         source: the C++ file under ``csrc/``.
         what: what it is, for the lines on stderr ("the multi-threaded fp16 kernel").
-        instead: what runs where it cannot be built ("using torch's one-thread binding").
+        instead: what runs where it is not used ("using torch's one-thread binding").
         extra_cflags, extra_ldflags: compiler and linker flags.
         vectorized: also compile for this CPU's vector instructions (``vector_flags``), in a folder of its own.
+        switch: an environment variable that turns the module off when set to 0.
+        check: module -> whether it computes what ``reference`` computes on a check case.
+        reference: what ``check`` compares it with, for the line on stderr ("torch's binding").
     """
+    if switch is not None and os.environ.get(switch, "1") == "0":
+        return None
+    module = build_and_import(name, source, what, instead, extra_cflags, extra_ldflags, vectorized)
+    if module is not None and check is not None and not check(module):
+        print(f"eagle_dropmatch: {what} differs from {reference} here; {instead}", file=sys.stderr, flush=True)
+        return None
+    return module
+
+
+def build_and_import(name: str, source: str, what: str, instead: str, extra_cflags: tuple[str, ...],
+                     extra_ldflags: tuple[str, ...], vectorized: bool):
+    """``load_extension``'s build: torch's loader, which rebuilds where the source changed; None where it fails."""
     folder = build_dir(name)
     if vectorized:
         isa, flags = vector_flags()
