@@ -24,7 +24,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <numeric>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -36,17 +35,35 @@ constexpr int64_t kRivalBlock = 256;     // dropmatch.RIVAL_BLOCK
 constexpr int64_t kRivalBlocks = 16;     // dropmatch.RIVAL_BLOCKS
 constexpr int64_t kRivalsPerBlock = 4;   // dropmatch.RIVALS_PER_BLOCK
 
-// The `count` ids of values[first, last) with the highest values (ties towards the lower id), appended to `out`.
+constexpr int64_t kMostBest = kRivalBlocks * kRivalsPerBlock;  // the most ids append_best keeps
+
+// The `count` ids of values[first, last) with the highest values, best first (ties towards the lower id),
+// appended to `out`: one pass that keeps the best so far in order (count is at most kMostBest).
 template <typename T>
 void append_best(const T* values, int64_t first, int64_t last, int64_t count, std::vector<int64_t>& out) {
-  std::vector<int64_t> ids(last - first);
-  std::iota(ids.begin(), ids.end(), first);
-  count = std::min<int64_t>(count, static_cast<int64_t>(ids.size()));
-  std::partial_sort(ids.begin(), ids.begin() + count, ids.end(), [values](int64_t a, int64_t b) {
-    const float va = static_cast<float>(values[a]), vb = static_cast<float>(values[b]);
-    return va > vb || (va == vb && a < b);
-  });
-  out.insert(out.end(), ids.begin(), ids.begin() + count);
+  TORCH_CHECK(count <= kMostBest, "append_best keeps at most ", kMostBest, " ids, asked for ", count);
+  count = std::min<int64_t>(count, last - first);
+  if (count <= 0) {
+    return;
+  }
+  const size_t base = out.size();
+  out.resize(base + count);
+  int64_t* ids = out.data() + base;
+  float kept[kMostBest];
+  int64_t size = 0;
+  for (int64_t id = first; id < last; ++id) {
+    const float value = static_cast<float>(values[id]);
+    if (size == count && !(value > kept[count - 1])) {
+      continue;  // not above the worst kept (a tie keeps the lower id, seen first)
+    }
+    int64_t at = size < count ? size++ : count - 1;
+    for (; at > 0 && value > kept[at - 1]; --at) {
+      kept[at] = kept[at - 1];
+      ids[at] = ids[at - 1];
+    }
+    kept[at] = value;
+    ids[at] = id;
+  }
 }
 
 // A node's rivals, as dropmatch.rival_tokens: its undropped token, then the best `per_block` tokens of each of
