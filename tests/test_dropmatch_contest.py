@@ -1,5 +1,9 @@
 """The compiled DropMatch contest (csrc/dropmatch_contest.cpp) against its Python reference, and its fallbacks."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -220,3 +224,26 @@ def test_a_contest_that_judges_otherwise_is_not_used(monkeypatch, fresh_contest_
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: PassesEverything)
     assert contest_extension() is None
     assert "differs from the Python one here; using the Python one" in capsys.readouterr().err
+
+
+AVX2_BUILD = """
+import sys
+from eagle_dropmatch import dropmatch, extensions
+extensions.vector_flags = lambda: ("avx2", extensions.VECTOR_FLAGS["AVX2"])
+module = dropmatch.contest_extension()
+sys.exit(0 if module is not None and "-avx2" in module.__file__ else 1)
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="AVX2's flags need an x86 CPU with AVX2")
+def test_the_contest_builds_with_avx2s_flags_and_judges_as_the_reference(tmp_path):
+    """A CPU of the fp16 kernel's kind (AVX2, no AVX-512) builds the contest with AVX2's flags, in a folder of
+    its own: here, in a fresh cache and another process, it builds and passes the check against the Python
+    contest and selection (``contest_matches_reference``), so it is used."""
+    env = {**os.environ, "EAGLE_DROPMATCH_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AVX2_BUILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "building the compiled DropMatch contest" in done.stderr
+    assert "unavailable" not in done.stderr and "differs" not in done.stderr
+    assert list(tmp_path.glob("extensions/*/eagle_dropmatch_contest-avx2/eagle_dropmatch_contest*.so"))
