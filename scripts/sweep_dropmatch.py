@@ -49,11 +49,14 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", help="NAME=GEN_FLAGS (default: the built-in grid)")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--dtype", default="bfloat16", help="float32 has no noise floor: lossless decoders agree exactly")
+    p.add_argument("--dropmatch-rows", default="all", choices=["all", "reachable"],
+                   help="how the DropMatch rows compute their samples (gen's --dropmatch-rows): both measure "
+                        "agreement, which the CPU's default, contested, leaves unmeasured (the same tokens)")
     p.add_argument("--no-sbert", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="replace the answers a run left in --out-dir")
     args = p.parse_args(argv)
     out = Path(args.out_dir)
-    models = f" --dtype {args.dtype}"
+    models = f" --dtype {args.dtype} --dropmatch-rows {args.dropmatch_rows}"
     if args.ea_model_path:
         models += f" --ea-model-path {args.ea_model_path}"
     if args.model_path:

@@ -323,6 +323,8 @@ def test_sweep_dropmatch_scores_every_row_against_lossless(tiny_model_dir, tmp_p
     assert rows["eagle3"]["exact_match_rate"] == 1.0 and rows["eagle3"]["loglik_rel_diff"] == 0.0
     assert rows["baseline"]["exact_match_rate"] is not None and rows["baseline"]["loglik_rel_diff"] is not None
     assert rows["K5 p0.3"]["tau"] >= rows["K5 p0.3"]["exact_tau"]
+    assert 0.0 <= rows["K5 p0.3"]["agreement"] <= 1.0  # measured: the sweep asks for all rows
+    assert json.loads((out / "mt_bench" / "K5 p0.3.jsonl.meta.json").read_text())["dropmatch_rows"] == "all"
     meta = json.loads((out / "gsm8k" / "eagle3.jsonl.meta.json").read_text())
     assert meta["max_new_tokens"] == 9 and result["gsm8k_max_new_tokens"] == 9 and meta["dtype"] == "float32"
     assert rows["baseline"]["exact_match_rate"] == 1.0  # in fp32 the two lossless decoders agree exactly
