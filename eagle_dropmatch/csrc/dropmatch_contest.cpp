@@ -26,7 +26,6 @@
 #include <limits>
 #include <optional>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -280,6 +279,14 @@ at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks,
   }
 }
 
+// drops[i] = whether mask row i of `rows` rows of `width` multipliers drops something (holds a zero).
+template <typename T>
+void mark_drops(const T* masks, int64_t rows, int64_t width, std::vector<char>& drops) {
+  for (int64_t i = 0; i < rows; ++i) {
+    drops[i] = std::any_of(masks + i * width, masks + (i + 1) * width,
+                           [](T v) { return static_cast<float>(v) == 0.0f; });
+  }
+}
 
 // The (sample, node) pairs whose rows the match rule must score, as dropmatch.contested_samples selects them:
 // (int64 [P] samples, int64 [P] nodes), sample-major. A child other than its parent's undropped token is
@@ -322,10 +329,18 @@ std::tuple<at::Tensor, at::Tensor> contested_samples(const at::Tensor& hidden, c
   // Which samples drop something (the mask has a zero), where that matters.
   std::vector<char> drops(k * n, 1);
   if (!rescale) {
-    at::Tensor as_float = masks.to(at::kFloat).contiguous();
-    const float* m = as_float.data_ptr<float>();
-    for (int64_t i = 0; i < k * n; ++i) {
-      drops[i] = std::any_of(m + i * width, m + (i + 1) * width, [](float v) { return v == 0.0f; });
+    switch (masks.scalar_type()) {
+      case at::kFloat:
+        mark_drops(masks.data_ptr<float>(), k * n, width, drops);
+        break;
+      case at::kBFloat16:
+        mark_drops(masks.data_ptr<c10::BFloat16>(), k * n, width, drops);
+        break;
+      case at::kHalf:
+        mark_drops(masks.data_ptr<c10::Half>(), k * n, width, drops);
+        break;
+      default:
+        TORCH_CHECK(false, "unsupported dtype ", masks.scalar_type());
     }
   }
   std::vector<char> other(n, 0);  // non-root nodes whose token is not their parent's undropped token
