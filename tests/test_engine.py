@@ -239,8 +239,9 @@ def test_round_timer_sections(target):
     assert all(v > 0 for v in timer.totals.values())
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("path", [[0, 2, 4, 5], [0, 1, 3], [0, 1], [0]])
-def test_kv_compaction_matches_sequential_cache(target, path):
+def test_kv_compaction_matches_sequential_cache(target, path, compiled):
     decoder = decoder_of(target)
     prompt = torch.arange(5, 17)[None]
     tree_tokens = torch.tensor([40, 41, 42, 43, 44, 45])
@@ -253,8 +254,10 @@ def test_kv_compaction_matches_sequential_cache(target, path):
     target_forward(decoder, prompt, torch.arange(12)[None], cache, None, None)
     target_forward(decoder, tree_tokens[None], (12 + depths)[None], cache, tree.attention_mask(12), None)
     path = torch.tensor(path)
-    compact_cache(cache, 12, path)
+    storage = cache.layers[0].keys.data_ptr()
+    compact_cache(cache, 12, path, compiled=compiled)
     assert cache.get_seq_length() == 12 + len(path)
+    assert cache.layers[0].keys.data_ptr() == storage  # entries moved within the layer's own tensor
     sequential = DynamicCache(config=target.config)
     target_forward(decoder, torch.cat([prompt[0], tree_tokens[path]])[None], torch.arange(12 + len(path))[None],
                    sequential, None, None)

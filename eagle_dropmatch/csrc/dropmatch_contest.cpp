@@ -65,6 +65,29 @@ void append_best(const T* values, int64_t first, int64_t last, int64_t count, st
   }
 }
 
+// The largest of kRivalBlock values, widened to fp32 as they are read.
+template <typename T>
+inline float block_max(const T* block) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < kRivalBlock; ++i) {
+    best = std::max(best, static_cast<float>(block[i]));
+  }
+  return best;
+}
+
+// bf16 is widened by a shift of its bits, which the compiler vectorizes (a NaN logit is left to the caller's
+// checks: the engine's logits are finite).
+template <>
+inline float block_max<c10::BFloat16>(const c10::BFloat16* block) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(block);
+  float best = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : best)
+  for (int64_t i = 0; i < kRivalBlock; ++i) {
+    best = std::max(best, __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16));
+  }
+  return best;
+}
+
 // A node's rivals, as dropmatch.rival_tokens: its undropped token, then the best `per_block` tokens of each of
 // the `blocks` blocks of kRivalBlock ids with the highest maxima (a partial last block left out), or the exact
 // best blocks x per_block tokens of a vocabulary of fewer blocks.
@@ -78,13 +101,7 @@ std::vector<int64_t> rivals_of(const T* logits, int64_t vocab, int64_t undropped
   }
   std::vector<float> maxima(count);
   for (int64_t b = 0; b < count; ++b) {
-    const T* block = logits + b * kRivalBlock;
-    float best = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : best)
-    for (int64_t i = 0; i < kRivalBlock; ++i) {
-      best = std::max(best, static_cast<float>(block[i]));
-    }
-    maxima[b] = best;
+    maxima[b] = block_max(logits + b * kRivalBlock);
   }
   std::vector<int64_t> best_blocks;
   append_best(maxima.data(), 0, count, blocks, best_blocks);
@@ -94,36 +111,63 @@ std::vector<int64_t> rivals_of(const T* logits, int64_t vocab, int64_t undropped
   return rivals;
 }
 
-// sum_i x[i] * w[i] in fp32, w widened as it is read (bf16 by a shift of its bits, which the compiler
-// vectorizes; the lanes summed in any order: the error bound allows it).
+// w[0, width) widened to fp32 into out (bf16 by a shift of its bits, which the compiler vectorizes).
 template <typename T>
-inline float dot(const float* x, const T* w, int64_t width) {
-  float sum = 0.0f;
+inline void widen(const T* w, int64_t width, float* out) {
   for (int64_t i = 0; i < width; ++i) {
-    sum += x[i] * static_cast<float>(w[i]);
+    out[i] = static_cast<float>(w[i]);
   }
-  return sum;
 }
 
 template <>
-inline float dot<float>(const float* x, const float* w, int64_t width) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < width; ++i) {
-    sum += x[i] * w[i];
-  }
-  return sum;
-}
-
-template <>
-inline float dot<c10::BFloat16>(const float* x, const c10::BFloat16* w, int64_t width) {
+inline void widen<c10::BFloat16>(const c10::BFloat16* w, int64_t width, float* out) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(w);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
+#pragma omp simd
   for (int64_t i = 0; i < width; ++i) {
-    sum += x[i] * __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
+    out[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
   }
-  return sum;
+}
+
+constexpr int64_t kLanes = 16;  // partial sums per dot product, one vector's worth
+
+// out[a * stride] = sum_i xs[a * width + i] * w[i] in fp32 for the B rows a < B of xs: B independent sums
+// over one weight row, each in kLanes partial sums (the lanes summed in any order: the error bound allows it).
+template <int B>
+inline void dots(const float* xs, const float* w, int64_t width, float* out, int64_t stride) {
+  float sums[B][kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) {
+    for (int a = 0; a < B; ++a) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) {
+        sums[a][l] += xs[a * width + i + l] * w[i + l];
+      }
+    }
+  }
+  for (int a = 0; a < B; ++a) {
+    float total = 0.0f;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      total += sums[a][l];
+    }
+    for (int64_t j = i; j < width; ++j) {
+      total += xs[a * width + j] * w[j];
+    }
+    out[a * stride] = total;
+  }
+}
+
+// dots for any number of rows of xs, four at a time.
+inline void dots_of_rows(const float* xs, int64_t rows, const float* w, int64_t width, float* out, int64_t stride) {
+  for (int64_t a = 0; a < rows; a += 4) {
+    const float* x = xs + a * width;
+    float* o = out + a * stride;
+    switch (std::min<int64_t>(4, rows - a)) {
+      case 4: dots<4>(x, w, width, o, stride); break;
+      case 3: dots<3>(x, w, width, o, stride); break;
+      case 2: dots<2>(x, w, width, o, stride); break;
+      default: dots<1>(x, w, width, o, stride); break;
+    }
+  }
 }
 
 // A value rounded to the scorer's output dtype, as Tensor.to rounds it (to nearest, ties to even).
@@ -182,8 +226,8 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
   // accumulation_error's factor: 4 (H + 1) 2^-24, times |x| and the largest row norm.
   const float error_factor = static_cast<float>(4.0 * static_cast<double>(width + 1) * std::ldexp(1.0, -24));
   const float row_norm = static_cast<float>(max_row_norm);
-  // The scorer's input of a pair, hidden * mask rounded to the model's dtype, and its error bound.
-  auto input_of = [&](int64_t s, int64_t node, std::vector<float>& x) {
+  // The scorer's input of a pair, hidden * mask rounded to the model's dtype, into x, and its error bound.
+  auto input_of = [&](int64_t s, int64_t node, float* x) {
     const T* h = hidden_ptr + node * width;
     const T* m = masks_ptr + (s * n + node) * width;
     for (int64_t i = 0; i < width; ++i) {
@@ -196,36 +240,57 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
     }
     return (error_factor * std::sqrt(squares)) * row_norm;
   };
-  // Node by node: its rivals, then each of its samples' dropped input and logits for its rivals and children.
+  // Node by node: its rivals, its contesting samples' dropped inputs, then each rival's and child's row of W
+  // (widened once) against all of those samples.
   at::parallel_for(0, static_cast<int64_t>(nodes.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(width), logits_of;
+    std::vector<float> xs, errors, row(width), logits_of;  // [S, H], [S], [H], [S, R]
+    std::vector<int64_t> samples;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t node = nodes[i];
       std::vector<int64_t> ids = rivals_of(logits_ptr + node * vocab, vocab, undropped_ptr[node], kRivalBlocks,
                                            kRivalsPerBlock);
-      const size_t rival_count = ids.size();
+      const int64_t rival_count = static_cast<int64_t>(ids.size());
       const auto& siblings = kids[node];
       for (const int64_t j : siblings) {
         ids.push_back(children_ptr[j]);
       }
-      logits_of.resize(ids.size());
+      const int64_t count = static_cast<int64_t>(ids.size());
+      for (const int64_t id : ids) {  // ask for every row now: they come from memory together, not one by one
+        const char* w = reinterpret_cast<const char*>(weight_ptr + id * width);
+        for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(T)); byte += 64) {
+          __builtin_prefetch(w + byte);
+        }
+      }
+      samples.clear();
       for (int64_t s = 0; s < k; ++s) {
-        const bool any = std::any_of(siblings.begin(), siblings.end(),
-                                     [&](int64_t j) { return contested_ptr[s * edges + j]; });
-        if (!any) {
-          continue;
+        if (std::any_of(siblings.begin(), siblings.end(), [&](int64_t j) { return contested_ptr[s * edges + j]; })) {
+          samples.push_back(s);
         }
-        const float error = input_of(s, node, x);
+      }
+      const int64_t contesting = static_cast<int64_t>(samples.size());
+      xs.resize(contesting * width);
+      errors.resize(contesting);
+      for (int64_t a = 0; a < contesting; ++a) {
+        errors[a] = input_of(samples[a], node, xs.data() + a * width);
+      }
+      logits_of.resize(contesting * count);
+      for (int64_t r = 0; r < count; ++r) {
+        widen(weight_ptr + ids[r] * width, width, row.data());
+        dots_of_rows(xs.data(), contesting, row.data(), width, logits_of.data() + r, count);
+      }
+      for (int64_t a = 0; a < contesting; ++a) {
+        const int64_t s = samples[a];
+        const float* sample_logits = logits_of.data() + a * count;
         float best = -std::numeric_limits<float>::infinity();
-        for (size_t r = 0; r < ids.size(); ++r) {
-          logits_of[r] = dot(x.data(), weight_ptr + ids[r] * width, width) + bias_of(ids[r]);
-          best = std::max(best, logits_of[r]);
+        for (int64_t r = 0; r < count; ++r) {
+          best = std::max(best, sample_logits[r] + bias_of(ids[r]));
         }
-        const float floor = rounded<T>(best - error);  // may_win with one rounding
+        const float floor = rounded<T>(best - errors[a]);  // may_win with one rounding
         for (size_t c = 0; c < siblings.size(); ++c) {
           const int64_t j = siblings[c];
           if (contested_ptr[s * edges + j]) {
-            passes_ptr[s * edges + j] = rounded<T>(logits_of[rival_count + c] + error) >= floor;
+            passes_ptr[s * edges + j] = rounded<T>(sample_logits[rival_count + c] + bias_of(ids[rival_count + c]) +
+                                                   errors[a]) >= floor;
           }
         }
       }

@@ -1,0 +1,158 @@
+"""The compiled KV compaction (csrc/kv_compaction.cpp) against the Python one it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from eagle_dropmatch import verify
+from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
+from eagle_dropmatch.verify import cache_extension, compact_cache, compaction_matches_reference
+
+from conftest import OracleDrafter, greedy_reference, tiny_target
+
+PATHS = [[0], [0, 1], [0, 1, 2, 3], [0, 2], [0, 1, 3], [0, 2, 5, 7], [0, 3, 4, 8, 9]]
+
+
+class Layer:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+
+class Cache:
+    """The two attributes compaction reads: ``layers[i].keys/values``."""
+
+    def __init__(self, layers: list[Layer]):
+        self.layers = layers
+
+
+def random_cache(seed: int, dtype: torch.dtype, lengths: list[int], batch: int = 1) -> Cache:
+    generator = torch.Generator().manual_seed(seed)
+    return Cache([Layer(*(torch.randn(batch, 3, length, 8, generator=generator).to(dtype) for _ in range(2)))
+                  for length in lengths])
+
+
+def copy_of(cache: Cache) -> Cache:
+    return Cache([Layer(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+
+
+@pytest.fixture
+def module():
+    compiled = cache_extension()
+    assert compiled is not None, "the compiled KV compaction should build here"
+    return compiled
+
+
+def test_the_compiled_compaction_passes_its_check(module):
+    assert compaction_matches_reference(module)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", PATHS)
+def test_compiled_compaction_keeps_the_entries_python_keeps(module, dtype, path):
+    # Three layers; the last two dropped their first 4 and 9 entries (local layers), so each has its own prefix.
+    prefix, starts = 20, [0, 4, 9]
+    cache = random_cache(len(path), dtype, [prefix - start + 10 for start in starts], batch=2)
+    reference = copy_of(cache)
+    tensors = [(layer.keys, layer.values) for layer in cache.layers]
+    compact_cache(cache, prefix, torch.tensor(path), path, starts, compiled=True)
+    compact_cache(reference, prefix, torch.tensor(path), path, starts, compiled=False)
+    for (keys, values), mine, ref, start in zip(tensors, cache.layers, reference.layers, starts):
+        assert mine.keys is keys and mine.values is values  # cut in place, not replaced
+        assert mine.keys.shape[2] == prefix - start + len(path)
+        assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+
+
+def test_the_engine_with_compiled_compaction_still_decodes_greedily(monkeypatch):
+    # The oracle drafter puts wrong siblings first, so accepted paths skip nodes and entries move.
+    target = tiny_target(seed=5)
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    prompt = torch.arange(3, 30)[None]
+    reference = greedy_reference(target, prompt, 40)
+    outputs = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(verify, "cache_extension", lambda: None)
+        drafter = OracleDrafter(reference, depth=5, vocab=96, error_rate=0.3, seed=1)
+        outputs.append(engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=40)))
+    assert outputs[0].token_ids == outputs[1].token_ids == reference
+    assert outputs[0].accept_lengths == outputs[1].accept_lengths and max(outputs[0].accept_lengths) > 2
+
+
+def test_a_cache_off_the_cpu_is_left_to_python(module):
+    tensors = [torch.empty(1, 2, 10, 4, device="meta") for _ in range(2)]
+    assert module.compact(tensors, [5, 5], [0, 2]) is False
+    assert all(t.shape[2] == 10 for t in tensors)
+    cache = Cache([Layer(*tensors)])
+    compact_cache(cache, 5, torch.tensor([0, 2], device="meta"), [0, 2])  # the Python code runs
+    assert cache.layers[0].keys.shape[2] == 7
+
+
+def test_bad_calls_raise_one_error_and_change_nothing(module):
+    tensors = [torch.randn(1, 2, 10, 4) for _ in range(2)]
+    before = [t.clone() for t in tensors]
+    with pytest.raises(RuntimeError, match="strictly ascending"):
+        module.compact(tensors, [5, 5], [0, 3, 2])
+    with pytest.raises(RuntimeError, match="out of range"):
+        module.compact(tensors, [5, 5], [0, 5])  # entry 10 of 10
+    with pytest.raises(RuntimeError, match="one prefix length per tensor"):
+        module.compact(tensors, [5], [0, 1])
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        module.compact([tensors[0], tensors[1].transpose(2, 3)], [1, 1], [0, 1])
+    assert all(torch.equal(t, b) and t.shape == b.shape for t, b in zip(tensors, before))
+
+
+@pytest.fixture
+def fresh_cache_probe():
+    """``cache_extension``'s answer forgotten before and after the test (it is cached per process)."""
+    cache_extension.cache_clear()
+    yield
+    cache_extension.cache_clear()
+
+
+def test_the_compaction_is_not_built_when_the_environment_says_so(monkeypatch, fresh_cache_probe, capsys):
+    from torch.utils import cpp_extension
+    monkeypatch.setenv("EAGLE_DROPMATCH_CACHE_EXTENSION", "0")
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built anyway"))
+    assert cache_extension() is None and capsys.readouterr().err == ""
+    cache = random_cache(0, torch.float32, [14, 14])
+    reference = copy_of(cache)
+    compact_cache(cache, 8, torch.tensor([0, 2, 3]), [0, 2, 3])
+    for mine, ref in zip(cache.layers, reference.layers):
+        assert torch.equal(mine.keys, torch.cat([ref.keys[:, :, :8], ref.keys[:, :, [8, 10, 11]]], dim=2))
+
+
+def test_without_a_compiler_the_python_compaction_runs_and_says_so_once(monkeypatch, fresh_cache_probe, capsys):
+    from torch.utils import cpp_extension
+
+    def no_ninja(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions\n(more lines)")
+    monkeypatch.setattr(cpp_extension, "load", no_ninja)
+    assert cache_extension() is None
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "eagle_dropmatch: the compiled KV compaction is unavailable (Ninja is required to load C++ extensions); "
+        "using the Python one")
+    assert cache_extension() is None and capsys.readouterr().err == ""  # cached: said once
+    cache = DynamicCache()
+    cache.update(torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4), 0)
+    compact_cache(cache, 5, torch.tensor([0, 3]), [0, 3])
+    assert cache.get_seq_length() == 7
+
+
+class DropsTheLastEntry:
+    """A stand-in module that cuts one entry short (wrong)."""
+
+    @staticmethod
+    def compact(tensors, held, nodes):
+        for tensor, start in zip(tensors, held):
+            tensor.as_strided_((*tensor.shape[:2], start + len(nodes) - 1, tensor.shape[3]), tensor.stride())
+        return True
+
+
+def test_a_compaction_that_differs_is_not_used(monkeypatch, fresh_cache_probe, capsys):
+    from torch.utils import cpp_extension
+    assert not compaction_matches_reference(DropsTheLastEntry)
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: DropsTheLastEntry)
+    assert cache_extension() is None
+    assert "differs from the Python one here; using the Python one" in capsys.readouterr().err
