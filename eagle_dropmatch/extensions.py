@@ -1,7 +1,8 @@
 """The package's small C++ modules (``csrc/``), built once per machine at first use.
 
-Two exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``) and
-``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``). Each is
+Three exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
+``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``) and
+``csrc/round_ops.cpp`` (the KV cache's compaction and the first argmax, each in one call: ``round_ops``). Each is
 compiled by torch's C++ extension loader into a folder of its own under the package's cache
 (``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there after.
 Each is checked against the Python or torch code it replaces on a small case before it is used. Where one is
@@ -12,6 +13,7 @@ switch). Nothing here reaches the network.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -95,3 +97,47 @@ def build_and_import(name: str, source: str, what: str, instead: str, extra_cfla
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         print(f"eagle_dropmatch: {what} is unavailable ({reason}); {instead}", file=sys.stderr, flush=True)
         return None
+
+
+ROUND_OPS_NAME = "eagle_dropmatch_round_ops"
+
+
+@functools.cache
+def round_ops():
+    """The compiled module (``csrc/round_ops.cpp``) whose ``compact`` runs ``verify.compact_cache``'s moves and
+    cuts for all layers of a CPU cache in one call (each tensor cut in place) and whose ``first_argmax`` runs
+    ``acceptance.first_argmax`` on CPU logits in one call, or None where it cannot be built, the environment sets
+    ``EAGLE_DROPMATCH_ROUND_OPS_EXTENSION=0``, or it does not compute a check case as the Python code does (one
+    line on stderr says which). Built once per machine (``load_extension``)."""
+    return load_extension(ROUND_OPS_NAME, "round_ops.cpp", "the compiled round-ops module",
+                          "using the Python ones", ("-O3", "-fopenmp"), ("-fopenmp",), vectorized=True,
+                          switch="EAGLE_DROPMATCH_ROUND_OPS_EXTENSION", check=round_ops_match_reference,
+                          reference="the Python ones")
+
+
+def round_ops_match_reference(module) -> bool:
+    """Whether ``module`` compacts random caches (two prefix lengths per layer pair, bf16 and fp32, paths that
+    only cut and paths that move) to the Python code's entries and lengths, and finds the index
+    ``max(dim=-1).indices`` finds in random fp32, bf16 and fp16 rows, with ties, infinities and NaNs."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for nodes in ([0], [0, 1], [0, 2], [0, 1, 4, 6], [0, 3, 5, 6, 9]):
+            tensors = [torch.randn(2, 3, 24, 8, generator=generator).to(dtype) for _ in range(4)]
+            held = [12, 12, 10, 10]
+            cut = [t.clone() for t in tensors]
+            if not module.compact(cut, held, nodes):
+                return False
+            for tensor, start, ours in zip(tensors, held, cut):
+                expected = torch.cat([tensor[:, :, :start], tensor[:, :, [start + node for node in nodes]]], dim=2)
+                if not torch.equal(ours, expected):
+                    return False
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for v in (1, 7, 256, 1000, 4099):
+            rows = (torch.randn(6, v, generator=generator) * 4).round().to(dtype)  # many ties
+            rows[1] = float("-inf")
+            rows[2, v // 2] = float("inf")
+            rows[3, v - 1] = float("nan")
+            rows[4, v // 3] = float("nan")
+            if not torch.equal(module.first_argmax(rows), rows.max(dim=-1).indices):
+                return False
+    return True

@@ -25,6 +25,7 @@ from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, 
                         dropout_masks, lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
                         shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
+from .extensions import round_ops
 from .tree import DraftTree
 from .verify import (LocalLayers, TargetLMHead, attention_chunk, cache_argument, check_tree_verification,
                      compact_cache, decoder_of, lm_head_logits, local_attention, mask_in_dtype, new_cache,
@@ -291,8 +292,10 @@ class SpeculativeDecoder:
         rescale = rescale_needed(dm, cfg.temperature, self.lm_head.bias)
         check_shortlist(dm, cfg.temperature)
         check_sample_rows(dm, cfg.temperature)
-        if dm.active and dm.rows == "contested" and self.device.type == "cpu":
-            contest_extension()  # built (once per machine) or found before the clock starts
+        if self.device.type == "cpu":  # compiled modules built (once per machine) or found before the clock starts
+            round_ops()
+            if dm.active and dm.rows == "contested":
+                contest_extension()
         shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
         selective = dm.rows != "all"  # samples scored after the LM head, only those that can change the path
         measures_agreement = dm.active and dm.rows != "contested"  # contested leaves most sample tokens unknown

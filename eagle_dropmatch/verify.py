@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .extensions import load_extension
+from .extensions import round_ops
 
 
 def decoder_of(target: nn.Module) -> nn.Module:
@@ -345,7 +345,7 @@ def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[in
             the round's tokens), so that compaction adds no host read of its own.
         layer_starts: per layer, the position of its first entry (``LocalLayers.layer_starts``; layers
             that dropped old entries hold the prefix from there); None: every layer holds it from 0.
-        compiled: compact a cache on the CPU in one call to ``cache_extension`` where it is available: the
+        compiled: compact a cache on the CPU in one call to ``extensions.round_ops`` where it is available: the
             same entries, each tensor cut in place rather than replaced by a view (for SmolLM2's 30 layers
             on a 2-core CPU, 0.1 ms a round that only cuts and 0.4 ms a round that moves entries less).
     """
@@ -355,7 +355,7 @@ def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[in
             for start in (layer_starts or [0] * len(cache.layers))]
     layers = cache.layers
     if compiled and layers and getattr(layers[0], "keys", None) is not None and layers[0].keys.is_cpu:
-        kernel = cache_extension()
+        kernel = round_ops()
         if kernel is not None and kernel.compact([t for layer in layers for t in (layer.keys, layer.values)],
                                                  [h for h in held for _ in range(2)], nodes):
             return  # every tensor was on the CPU and is cut in place
@@ -370,38 +370,6 @@ def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[in
                     moved[key] = (keep[in_place:] + held[i]).to(tensor.device)
                 tensor[:, :, held[i] + in_place:held[i] + m] = tensor.index_select(2, moved[key])
             setattr(layer, name, tensor[:, :, :held[i] + m])
-
-
-CACHE_EXTENSION_NAME = "eagle_dropmatch_kv_compaction"
-
-
-@functools.cache
-def cache_extension():
-    """The compiled module (``csrc/kv_compaction.cpp``) whose ``compact`` runs ``compact_cache``'s moves and
-    cuts for all layers of a CPU cache in one call (each tensor cut in place), or None where it cannot be
-    built, the environment sets ``EAGLE_DROPMATCH_CACHE_EXTENSION=0``, or it does not compact a check case as
-    the Python code does (one line on stderr says which). Built once per machine (``extensions.load_extension``)."""
-    return load_extension(CACHE_EXTENSION_NAME, "kv_compaction.cpp", "the compiled KV compaction",
-                          "using the Python one", switch="EAGLE_DROPMATCH_CACHE_EXTENSION",
-                          check=compaction_matches_reference, reference="the Python one")
-
-
-def compaction_matches_reference(module) -> bool:
-    """Whether ``module`` compacts random caches (two prefix lengths per layer pair, bf16 and fp32, paths that
-    only cut and paths that move) to the Python code's entries and lengths."""
-    generator = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        for nodes in ([0], [0, 1], [0, 2], [0, 1, 4, 6], [0, 3, 5, 6, 9]):
-            tensors = [torch.randn(2, 3, 24, 8, generator=generator).to(dtype) for _ in range(4)]
-            held = [12, 12, 10, 10]
-            cut = [t.clone() for t in tensors]
-            if not module.compact(cut, held, nodes):
-                return False
-            for tensor, start, ours in zip(tensors, held, cut):
-                expected = torch.cat([tensor[:, :, :start], tensor[:, :, [start + node for node in nodes]]], dim=2)
-                if not torch.equal(ours, expected):
-                    return False
-    return True
 
 
 def crop_cache(cache, length: int) -> None:

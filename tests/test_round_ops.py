@@ -1,4 +1,4 @@
-"""The compiled KV compaction (csrc/kv_compaction.cpp) against the Python one it replaces."""
+"""The compiled round ops (csrc/round_ops.cpp: KV compaction, first argmax) against the Python code they replace."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import torch
 from transformers import DynamicCache
 
 from eagle_dropmatch import verify
+from eagle_dropmatch.acceptance import first_argmax
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
-from eagle_dropmatch.verify import cache_extension, compact_cache, compaction_matches_reference
+from eagle_dropmatch.extensions import round_ops, round_ops_match_reference
+from eagle_dropmatch.verify import compact_cache
 
 from conftest import OracleDrafter, greedy_reference, tiny_target
 
@@ -39,13 +41,13 @@ def copy_of(cache: Cache) -> Cache:
 
 @pytest.fixture
 def module():
-    compiled = cache_extension()
-    assert compiled is not None, "the compiled KV compaction should build here"
+    compiled = round_ops()
+    assert compiled is not None, "the compiled round ops should build here"
     return compiled
 
 
-def test_the_compiled_compaction_passes_its_check(module):
-    assert compaction_matches_reference(module)
+def test_the_compiled_round_ops_pass_their_check(module):
+    assert round_ops_match_reference(module)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -73,7 +75,7 @@ def test_the_engine_with_compiled_compaction_still_decodes_greedily(monkeypatch)
     outputs = []
     for compiled in (True, False):
         if not compiled:
-            monkeypatch.setattr(verify, "cache_extension", lambda: None)
+            monkeypatch.setattr(verify, "round_ops", lambda: None)
         drafter = OracleDrafter(reference, depth=5, vocab=96, error_rate=0.3, seed=1)
         outputs.append(engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=40)))
     assert outputs[0].token_ids == outputs[1].token_ids == reference
@@ -105,17 +107,17 @@ def test_bad_calls_raise_one_error_and_change_nothing(module):
 
 @pytest.fixture
 def fresh_cache_probe():
-    """``cache_extension``'s answer forgotten before and after the test (it is cached per process)."""
-    cache_extension.cache_clear()
+    """``round_ops``' answer forgotten before and after the test (it is cached per process)."""
+    round_ops.cache_clear()
     yield
-    cache_extension.cache_clear()
+    round_ops.cache_clear()
 
 
 def test_the_compaction_is_not_built_when_the_environment_says_so(monkeypatch, fresh_cache_probe, capsys):
     from torch.utils import cpp_extension
-    monkeypatch.setenv("EAGLE_DROPMATCH_CACHE_EXTENSION", "0")
+    monkeypatch.setenv("EAGLE_DROPMATCH_ROUND_OPS_EXTENSION", "0")
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built anyway"))
-    assert cache_extension() is None and capsys.readouterr().err == ""
+    assert round_ops() is None and capsys.readouterr().err == ""
     cache = random_cache(0, torch.float32, [14, 14])
     reference = copy_of(cache)
     compact_cache(cache, 8, torch.tensor([0, 2, 3]), [0, 2, 3])
@@ -129,11 +131,11 @@ def test_without_a_compiler_the_python_compaction_runs_and_says_so_once(monkeypa
     def no_ninja(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions\n(more lines)")
     monkeypatch.setattr(cpp_extension, "load", no_ninja)
-    assert cache_extension() is None
+    assert round_ops() is None
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "eagle_dropmatch: the compiled KV compaction is unavailable (Ninja is required to load C++ extensions); "
-        "using the Python one")
-    assert cache_extension() is None and capsys.readouterr().err == ""  # cached: said once
+        "eagle_dropmatch: the compiled round-ops module is unavailable (Ninja is required to load C++ extensions); "
+        "using the Python ones")
+    assert round_ops() is None and capsys.readouterr().err == ""  # cached: said once
     cache = DynamicCache()
     cache.update(torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4), 0)
     compact_cache(cache, 5, torch.tensor([0, 3]), [0, 3])
@@ -141,7 +143,11 @@ def test_without_a_compiler_the_python_compaction_runs_and_says_so_once(monkeypa
 
 
 class DropsTheLastEntry:
-    """A stand-in module that cuts one entry short (wrong)."""
+    """A stand-in module that cuts one entry short (wrong) and finds the argmax as torch does."""
+
+    @staticmethod
+    def first_argmax(logits):
+        return logits.max(dim=-1).indices
 
     @staticmethod
     def compact(tensors, held, nodes):
@@ -152,7 +158,46 @@ class DropsTheLastEntry:
 
 def test_a_compaction_that_differs_is_not_used(monkeypatch, fresh_cache_probe, capsys):
     from torch.utils import cpp_extension
-    assert not compaction_matches_reference(DropsTheLastEntry)
+    assert not round_ops_match_reference(DropsTheLastEntry)
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: DropsTheLastEntry)
-    assert cache_extension() is None
-    assert "differs from the Python one here; using the Python one" in capsys.readouterr().err
+    assert round_ops() is None
+    assert "differs from the Python ones here; using the Python ones" in capsys.readouterr().err
+
+
+class LastArgmax:
+    """A stand-in module that compacts right but breaks ties towards the last maximum (wrong)."""
+
+    @staticmethod
+    def compact(tensors, held, nodes):
+        return round_ops().compact(tensors, held, nodes)
+
+    @staticmethod
+    def first_argmax(logits):
+        return logits.shape[-1] - 1 - logits.flip(-1).max(dim=-1).indices
+
+
+def test_an_argmax_that_breaks_ties_otherwise_is_not_used(module):
+    assert not round_ops_match_reference(LastArgmax)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_first_argmax_is_max_indices(module, dtype):
+    generator = torch.Generator().manual_seed(1)
+    for shape in [(1, 49152), (9, 49152), (21, 49152), (3, 5, 300), (4, 1), (2, 2049)]:
+        logits = (torch.randn(shape, generator=generator) * 3).round().to(dtype)  # ties among the best
+        expected = logits.max(dim=-1).indices
+        assert torch.equal(module.first_argmax(logits), expected)
+        assert torch.equal(first_argmax(logits), expected) and torch.equal(first_argmax(logits, compiled=False), expected)
+    logits = torch.zeros(3, 2000, dtype=dtype)
+    logits[0, 1500] = float("nan")
+    logits[1, 1999] = float("inf")
+    logits[2] = float("-inf")
+    assert module.first_argmax(logits).tolist() == logits.max(dim=-1).indices.tolist() == [1500, 1999, 0]
+
+
+def test_first_argmax_of_logits_it_cannot_take_runs_the_python_code(module):
+    logits = torch.randn(4, 3000)[:, ::2]  # not contiguous
+    assert torch.equal(first_argmax(logits), logits.max(dim=-1).indices)
+    assert torch.equal(first_argmax(logits.double()), logits.double().max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="contiguous CPU logits"):
+        module.first_argmax(logits)
