@@ -332,7 +332,7 @@ def could_outrank(ancestors: torch.Tensor, depths: torch.Tensor, sure: torch.Ten
 
 
 def longest_accepted_path(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
-                          ancestors: torch.Tensor, accept_sets: torch.Tensor) -> torch.Tensor:
+                          ancestors: torch.Tensor, accept_sets: torch.Tensor, compiled: bool = True) -> torch.Tensor:
     """The verifier: node indices of the longest accepted root-to-node path, root first.
 
     Args:
@@ -341,18 +341,36 @@ def longest_accepted_path(tokens: torch.Tensor, parents: torch.Tensor, depths: t
         depths: [N] node depths.
         ancestors: bool [N, N], ancestors[i, j] when j is i or an ancestor of i.
         accept_sets: [N, S] tokens accepted as a child of each node (-1 padding never matches).
+        compiled: on the CPU, find it in one call to ``extensions.round_ops`` where it is available (one pass
+            down the depth-major tree, the same path).
 
     Returns:
         [m + 1] int64 node indices (the root and m accepted drafted nodes). Among equally long paths the
         one ending at the lowest node index wins (the best-scored one in a depth-major tree).
     """
+    kernel = round_ops() if compiled and _compiled_verifier_applies(tokens, parents, depths, accept_sets) else None
+    if kernel is not None:
+        path = kernel.accepted_path(tokens, parents, depths, accept_sets)
+        if path.shape[0]:  # empty: not depth-major
+            return path
     return ancestors[_deepest_accepted(tokens, parents, depths, ancestors, accept_sets)].nonzero().flatten()
 
 
 def accepted_length(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
-                    accept_sets: torch.Tensor) -> torch.Tensor:
+                    accept_sets: torch.Tensor, compiled: bool = True) -> torch.Tensor:
     """``len(longest_accepted_path(...))`` as a 0-d tensor on the tree's device (no host sync)."""
+    kernel = round_ops() if compiled and _compiled_verifier_applies(tokens, parents, depths, accept_sets) else None
+    if kernel is not None:
+        length = kernel.accepted_length(tokens, parents, depths, accept_sets)
+        if int(length) > 0:  # -1: not depth-major
+            return length
     return depths[_deepest_accepted(tokens, parents, depths, ancestors, accept_sets)] + 1
+
+
+def _compiled_verifier_applies(tokens, parents, depths, accept_sets) -> bool:
+    """Whether ``round_ops``' verifier takes these: int64 CPU tensors (the tree's contiguous)."""
+    return (accept_sets.is_cpu and accept_sets.dtype == torch.long and accept_sets.dim() == 2
+            and all(t.is_cpu and t.dtype == torch.long and t.is_contiguous() for t in (tokens, parents, depths)))
 
 
 def _deepest_accepted(tokens, parents, depths, ancestors, accept_sets) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Three exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
 ``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``) and
-``csrc/round_ops.cpp`` (the KV cache's compaction and the first argmax, each in one call: ``round_ops``). Each is
+``csrc/round_ops.cpp`` (the KV cache's compaction, the first argmax and the verifier, each in one call:
+``round_ops``). Each is
 compiled by torch's C++ extension loader into a folder of its own under the package's cache
 (``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there after.
 Each is checked against the Python or torch code it replaces on a small case before it is used. Where one is
@@ -105,8 +106,9 @@ ROUND_OPS_NAME = "eagle_dropmatch_round_ops"
 @functools.cache
 def round_ops():
     """The compiled module (``csrc/round_ops.cpp``) whose ``compact`` runs ``verify.compact_cache``'s moves and
-    cuts for all layers of a CPU cache in one call (each tensor cut in place) and whose ``first_argmax`` runs
-    ``acceptance.first_argmax`` on CPU logits in one call, or None where it cannot be built, the environment sets
+    cuts for all layers of a CPU cache in one call (each tensor cut in place), whose ``first_argmax`` runs
+    ``acceptance.first_argmax`` on CPU logits in one call and whose ``accepted_path`` and ``accepted_length``
+    run the verifier (``acceptance.longest_accepted_path``, ``accepted_length``) in one call each, or None where it cannot be built, the environment sets
     ``EAGLE_DROPMATCH_ROUND_OPS_EXTENSION=0``, or it does not compute a check case as the Python code does (one
     line on stderr says which). Built once per machine (``load_extension``)."""
     return load_extension(ROUND_OPS_NAME, "round_ops.cpp", "the compiled round-ops module",
@@ -117,8 +119,9 @@ def round_ops():
 
 def round_ops_match_reference(module) -> bool:
     """Whether ``module`` compacts random caches (two prefix lengths per layer pair, bf16 and fp32, paths that
-    only cut and paths that move) to the Python code's entries and lengths, and finds the index
-    ``max(dim=-1).indices`` finds in random fp32, bf16 and fp16 rows, with ties, infinities and NaNs."""
+    only cut and paths that move) to the Python code's entries and lengths, finds the index
+    ``max(dim=-1).indices`` finds in random fp32, bf16 and fp16 rows, with ties, infinities and NaNs, and
+    verifies random trees as the Python verifier does (``verifier_matches_reference``)."""
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for nodes in ([0], [0, 1], [0, 2], [0, 1, 4, 6], [0, 3, 5, 6, 9]):
@@ -139,5 +142,27 @@ def round_ops_match_reference(module) -> bool:
             rows[3, v - 1] = float("nan")
             rows[4, v // 3] = float("nan")
             if not torch.equal(module.first_argmax(rows), rows.max(dim=-1).indices):
+                return False
+    return verifier_matches_reference(module, generator)
+
+
+def verifier_matches_reference(module, generator: torch.Generator, trees: int = 40) -> bool:
+    """Whether ``module``'s ``accepted_path`` and ``accepted_length`` give ``acceptance``'s Python verifier's
+    path and length on random depth-major trees whose accepted sets hold many of their children's tokens."""
+    from .acceptance import accepted_length, longest_accepted_path
+    from .tree import DraftTree
+    for _ in range(trees):
+        n = int(torch.randint(1, 12, (1,), generator=generator))
+        parents = torch.tensor([-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, n)])
+        tree = DraftTree.from_parents(torch.randint(0, 4, (n,), generator=generator), parents)
+        sets = torch.randint(-1, 4, (n, 3), generator=generator)
+        for accept in (sets, sets[:, :1]):
+            args = (tree.tokens, tree.parents, tree.depths, accept)
+            path = longest_accepted_path(*args[:3], tree.ancestors, accept, compiled=False)
+            if not torch.equal(module.accepted_path(*args), path):
+                return False
+            if int(module.accepted_length(*args)) != path.shape[0]:
+                return False
+            if int(accepted_length(*args[:3], tree.ancestors, accept, compiled=False)) != path.shape[0]:
                 return False
     return True

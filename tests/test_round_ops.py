@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from eagle_dropmatch import verify
-from eagle_dropmatch.acceptance import first_argmax
+from eagle_dropmatch.acceptance import accepted_length, first_argmax, longest_accepted_path
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.extensions import round_ops, round_ops_match_reference
 from eagle_dropmatch.verify import compact_cache
@@ -201,3 +201,40 @@ def test_first_argmax_of_logits_it_cannot_take_runs_the_python_code(module):
     assert torch.equal(first_argmax(logits.double()), logits.double().max(dim=-1).indices)
     with pytest.raises(RuntimeError, match="contiguous CPU logits"):
         module.first_argmax(logits)
+
+
+def random_tree(generator: torch.Generator, n: int):
+    from eagle_dropmatch.tree import DraftTree
+    parents = torch.tensor([-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, n)])
+    return DraftTree.from_parents(torch.randint(0, 3, (n,), generator=generator), parents)
+
+
+def test_the_compiled_verifier_finds_the_python_verifiers_path(module):
+    generator = torch.Generator().manual_seed(2)
+    lengths = set()
+    for _ in range(300):
+        tree = random_tree(generator, int(torch.randint(1, 30, (1,), generator=generator)))
+        sets = torch.randint(-1, 3, (len(tree.tokens), 4), generator=generator)
+        for accept in (sets, sets[:, :1], sets[:, 2:]):
+            args = (tree.tokens, tree.parents, tree.depths, tree.ancestors, accept)
+            path = longest_accepted_path(*args, compiled=False)
+            assert torch.equal(longest_accepted_path(*args), path)
+            assert torch.equal(module.accepted_path(*args[:3], accept), path)
+            assert accepted_length(*args).item() == accepted_length(*args, compiled=False).item() == path.shape[0]
+            lengths.add(path.shape[0])
+    assert len(lengths) >= 5  # short and long paths
+
+
+def test_a_tree_that_is_not_depth_major_goes_to_the_python_verifier(module):
+    from eagle_dropmatch.tree import DraftTree
+    tree = DraftTree.from_parents(torch.tensor([5, 6, 7]), torch.tensor([-1, 2, 0]))  # node 1's parent after it
+    sets = torch.tensor([[7], [0], [6]])
+    assert module.accepted_path(tree.tokens, tree.parents, tree.depths, sets).numel() == 0
+    assert int(module.accepted_length(tree.tokens, tree.parents, tree.depths, sets)) == -1
+    args = (tree.tokens, tree.parents, tree.depths, tree.ancestors, sets)
+    assert torch.equal(longest_accepted_path(*args), longest_accepted_path(*args, compiled=False))
+    assert longest_accepted_path(*args).numel() == int(accepted_length(*args)) == 3
+    with pytest.raises(RuntimeError, match="accept_sets"):
+        module.accepted_path(tree.tokens, tree.parents, tree.depths, sets[:2])
+    with pytest.raises(RuntimeError, match="tokens, parents and depths"):
+        module.accepted_path(tree.tokens.int(), tree.parents, tree.depths, sets)

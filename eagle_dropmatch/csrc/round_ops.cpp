@@ -1,4 +1,4 @@
-// Two small ops of every verification round on a CPU, each in one call instead of a few dozen tensor ops.
+// Small ops of every verification round on a CPU, each in one call instead of a few or a few dozen tensor ops.
 //
 // compact: the KV cache's compaction, all layers at once. The Python reference is
 // eagle_dropmatch.verify.compact_cache: each layer's keys and values keep the accepted tree entries right after
@@ -11,6 +11,11 @@
 // NaN where a row holds one). The Python reference is eagle_dropmatch.acceptance.first_argmax, a two-level
 // reduction of five tensor ops; here it is one pass of block maxima (bf16 widened by a shift of its bits,
 // which the compiler vectorizes) and a look inside the first block that holds the row's maximum.
+//
+// accepted_path, accepted_length: the verifier, eagle_dropmatch.acceptance.longest_accepted_path and
+// accepted_length: the deepest node whose token and every ancestor's token are in their parents' accepted sets
+// (the lowest index among equally deep ones), found in one pass over a depth-major tree instead of eight ops
+// on its [N, N] ancestor matrix.
 //
 // Built at first use by eagle_dropmatch.extensions.round_ops (torch.utils.cpp_extension), for the CPU's vector
 // instructions; the engine runs the Python references where it cannot be built or a tensor is not on the CPU.
@@ -144,10 +149,88 @@ at::Tensor first_argmax(const at::Tensor& logits) {
   return out;
 }
 
+// The deepest accepted node of a depth-major tree (root first, parents[j] < j), the lowest index among equally
+// deep ones, or -1 where the tree is not depth-major (the caller then runs the Python verifier). tokens,
+// parents and depths: int64 [N]; accept_sets: int64 [N, S], any strides (row j: the tokens accepted as a
+// child of node j).
+int64_t deepest_accepted(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
+                         const at::Tensor& accept_sets) {
+  const int64_t n = tokens.numel();
+  for (const at::Tensor* t : {&tokens, &parents, &depths}) {
+    TORCH_CHECK(t->dim() == 1 && t->numel() == n && t->scalar_type() == at::kLong && t->device().is_cpu() &&
+                    t->is_contiguous(),
+                "expected contiguous int64 CPU tensors [N] for tokens, parents and depths");
+  }
+  TORCH_CHECK(n >= 1 && accept_sets.dim() == 2 && accept_sets.size(0) == n && accept_sets.scalar_type() == at::kLong &&
+                  accept_sets.device().is_cpu(),
+              "expected int64 CPU accept_sets [N, S] for ", n, " nodes, got ", accept_sets.sizes());
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  const int64_t* parent = parents.data_ptr<int64_t>();
+  const int64_t* depth = depths.data_ptr<int64_t>();
+  const int64_t* sets = accept_sets.data_ptr<int64_t>();
+  const int64_t row_stride = accept_sets.stride(0), column_stride = accept_sets.stride(1), width = accept_sets.size(1);
+  if (parent[0] != -1) {
+    return -1;
+  }
+  std::vector<char> reached(n, 0);
+  reached[0] = 1;
+  int64_t best = 0;
+  for (int64_t j = 1; j < n; ++j) {
+    const int64_t p = parent[j];
+    if (p < 0 || p >= j) {
+      return -1;
+    }
+    if (!reached[p]) {
+      continue;
+    }
+    const int64_t* set = sets + p * row_stride;
+    for (int64_t s = 0; s < width; ++s) {
+      if (set[s * column_stride] == token[j]) {
+        reached[j] = 1;
+        break;
+      }
+    }
+    if (reached[j] && depth[j] > depth[best]) {
+      best = j;
+    }
+  }
+  return best;
+}
+
+// int64 [m + 1]: the root-first node indices of the longest accepted path (acceptance.longest_accepted_path), or
+// an empty tensor where the tree is not depth-major.
+at::Tensor accepted_path(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
+                         const at::Tensor& accept_sets) {
+  const int64_t best = deepest_accepted(tokens, parents, depths, accept_sets);
+  if (best < 0) {
+    return at::empty({0}, tokens.options());
+  }
+  const int64_t* parent = parents.data_ptr<int64_t>();
+  std::vector<int64_t> path;
+  for (int64_t node = best; node >= 0; node = parent[node]) {
+    path.push_back(node);
+  }
+  auto out = at::empty({static_cast<int64_t>(path.size())}, tokens.options());
+  std::copy(path.rbegin(), path.rend(), out.data_ptr<int64_t>());
+  return out;
+}
+
+// int64 0-d: the length of that path, the root included (acceptance.accepted_length), or -1 where the tree is not
+// depth-major.
+at::Tensor accepted_length(const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depths,
+                           const at::Tensor& accept_sets) {
+  const int64_t best = deepest_accepted(tokens, parents, depths, accept_sets);
+  return at::scalar_tensor(best < 0 ? -1 : depths.data_ptr<int64_t>()[best] + 1, tokens.options());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("compact", &compact, pybind11::arg("tensors"), pybind11::arg("held"), pybind11::arg("nodes"));
   module.def("first_argmax", &first_argmax, pybind11::arg("logits"),
              pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("accepted_path", &accepted_path, pybind11::arg("tokens"), pybind11::arg("parents"),
+             pybind11::arg("depths"), pybind11::arg("accept_sets"));
+  module.def("accepted_length", &accepted_length, pybind11::arg("tokens"), pybind11::arg("parents"),
+             pybind11::arg("depths"), pybind11::arg("accept_sets"));
 }
