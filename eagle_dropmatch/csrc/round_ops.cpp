@@ -81,15 +81,32 @@ bool compact(std::vector<at::Tensor> tensors, const std::vector<int64_t>& held, 
 
 constexpr int64_t kBlock = 256;  // entries per block of first_argmax's first pass
 
-// x widened to fp32 (bf16 by a shift of its bits).
+// The largest of row[start, end) widened to fp32, ignoring NaNs, and whether a NaN is among them.
 template <typename T>
-inline float widened(T x) {
-  return static_cast<float>(x);
+inline float block_max(const T* row, int64_t start, int64_t end, bool& nan) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int64_t i = start; i < end; ++i) {
+    const float x = static_cast<float>(row[i]);
+    nan = nan || x != x;
+    best = x > best ? x : best;
+  }
+  return best;
 }
 
+// bf16: widened by a shift of its bits and a NaN found from the largest magnitude's bits, two reductions the
+// compiler vectorizes.
 template <>
-inline float widened<c10::BFloat16>(c10::BFloat16 x) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16);
+inline float block_max<c10::BFloat16>(const c10::BFloat16* row, int64_t start, int64_t end, bool& nan) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  float best = -std::numeric_limits<float>::infinity();
+  uint16_t magnitude = 0;
+#pragma omp simd reduction(max : best, magnitude)
+  for (int64_t i = start; i < end; ++i) {
+    best = std::max(best, __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16));
+    magnitude = std::max<uint16_t>(magnitude, bits[i] & 0x7fff);
+  }
+  nan = nan || magnitude > 0x7f80;  // exponent all ones, mantissa not 0
+  return best;
 }
 
 // The index of the first maximum of row[0, v), or of its first NaN.
@@ -99,16 +116,7 @@ int64_t row_first_argmax(const T* row, int64_t v) {
   int64_t best_block = 0;
   bool nan = false;
   for (int64_t start = 0; start < v; start += kBlock) {
-    const int64_t end = std::min(v, start + kBlock);
-    float block = -std::numeric_limits<float>::infinity();
-    bool block_nan = false;
-#pragma omp simd reduction(max : block) reduction(|| : block_nan)
-    for (int64_t i = start; i < end; ++i) {
-      const float x = widened(row[i]);
-      block = std::max(block, x);
-      block_nan = block_nan || x != x;
-    }
-    nan = nan || block_nan;
+    const float block = block_max(row, start, std::min(v, start + kBlock), nan);
     if (block > best) {  // the first block holding the maximum (-inf everywhere: block 0)
       best = block;
       best_block = start / kBlock;
@@ -116,14 +124,14 @@ int64_t row_first_argmax(const T* row, int64_t v) {
   }
   if (nan) {
     for (int64_t i = 0; i < v; ++i) {
-      const float x = widened(row[i]);
+      const float x = static_cast<float>(row[i]);
       if (x != x) {
         return i;
       }
     }
   }
   for (int64_t i = best_block * kBlock; i < v; ++i) {
-    if (widened(row[i]) == best) {
+    if (static_cast<float>(row[i]) == best) {
       return i;
     }
   }
