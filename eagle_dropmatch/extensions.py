@@ -3,9 +3,9 @@
 Three exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
 ``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``) and
 ``csrc/round_ops.cpp`` (the KV cache's compaction, the first argmax and the verifier, each in one call:
-``round_ops``). Each is
-compiled by torch's C++ extension loader into a folder of its own under the package's cache
-(``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there after.
+``round_ops``). Each is compiled by torch's C++ extension loader into a folder of its own under the package's
+cache (``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there
+after.
 Each is checked against the Python or torch code it replaces on a small case before it is used. Where one is
 switched off (an environment variable), cannot be built (no C++ compiler, no ninja, a missing header) or
 fails its check, its caller runs that code instead, and one line on stderr says why (but not for the
@@ -108,9 +108,10 @@ def round_ops():
     """The compiled module (``csrc/round_ops.cpp``) whose ``compact`` runs ``verify.compact_cache``'s moves and
     cuts for all layers of a CPU cache in one call (each tensor cut in place), whose ``first_argmax`` runs
     ``acceptance.first_argmax`` on CPU logits in one call and whose ``accepted_path`` and ``accepted_length``
-    run the verifier (``acceptance.longest_accepted_path``, ``accepted_length``) in one call each, or None where it cannot be built, the environment sets
-    ``EAGLE_DROPMATCH_ROUND_OPS_EXTENSION=0``, or it does not compute a check case as the Python code does (one
-    line on stderr says which). Built once per machine (``load_extension``)."""
+    run the verifier (``acceptance.longest_accepted_path``, ``accepted_length``) in one call each; or None where
+    it cannot be built, the environment sets ``EAGLE_DROPMATCH_ROUND_OPS_EXTENSION=0``, or it does not compute
+    a check case as the Python code does (one line on stderr says which). Built once per machine
+    (``load_extension``)."""
     return load_extension(ROUND_OPS_NAME, "round_ops.cpp", "the compiled round-ops module",
                           "using the Python ones", ("-O3", "-fopenmp"), ("-fopenmp",), vectorized=True,
                           switch="EAGLE_DROPMATCH_ROUND_OPS_EXTENSION", check=round_ops_match_reference,

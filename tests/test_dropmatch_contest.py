@@ -230,20 +230,23 @@ AVX2_BUILD = """
 import sys
 from eagle_dropmatch import dropmatch, extensions
 extensions.vector_flags = lambda: ("avx2", extensions.VECTOR_FLAGS["AVX2"])
-module = dropmatch.contest_extension()
-sys.exit(0 if module is not None and "-avx2" in module.__file__ else 1)
+modules = [dropmatch.contest_extension(), extensions.round_ops()]
+sys.exit(0 if all(module is not None and "-avx2" in module.__file__ for module in modules) else 1)
 """
 
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
                     reason="AVX2's flags need an x86 CPU with AVX2")
 def test_the_contest_builds_with_avx2s_flags_and_judges_as_the_reference(tmp_path):
-    """A CPU of the fp16 kernel's kind (AVX2, no AVX-512) builds the contest with AVX2's flags, in a folder of
-    its own: here, in a fresh cache and another process, it builds and passes the check against the Python
-    contest and selection (``contest_matches_reference``), so it is used."""
+    """A CPU of the fp16 kernel's kind (AVX2, no AVX-512) builds the contest and the round ops with AVX2's
+    flags, in folders of their own: here, in a fresh cache and another process, they build and pass their
+    checks against the Python code (``contest_matches_reference``, ``round_ops_match_reference``), so they are
+    used."""
     env = {**os.environ, "EAGLE_DROPMATCH_CACHE": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", AVX2_BUILD], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "building the compiled DropMatch contest" in done.stderr
     assert "unavailable" not in done.stderr and "differs" not in done.stderr
     assert list(tmp_path.glob("extensions/*/eagle_dropmatch_contest-avx2/eagle_dropmatch_contest*.so"))
+    assert "building the compiled round-ops module" in done.stderr
+    assert list(tmp_path.glob("extensions/*/eagle_dropmatch_round_ops-avx2/eagle_dropmatch_round_ops*.so"))
