@@ -187,7 +187,8 @@ def test_compiled_first_argmax_is_max_indices(module, dtype):
         logits = (torch.randn(shape, generator=generator) * 3).round().to(dtype)  # ties among the best
         expected = logits.max(dim=-1).indices
         assert torch.equal(module.first_argmax(logits), expected)
-        assert torch.equal(first_argmax(logits), expected) and torch.equal(first_argmax(logits, compiled=False), expected)
+        assert torch.equal(first_argmax(logits), expected)
+        assert torch.equal(first_argmax(logits, compiled=False), expected)
     logits = torch.zeros(3, 2000, dtype=dtype)
     logits[0, 1500] = float("nan")
     logits[1, 1999] = float("inf")
