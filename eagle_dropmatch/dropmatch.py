@@ -37,8 +37,7 @@ the scorer's own sums and rounding could change. ``contested_samples`` selects t
 child at nodes that passing children and undropped tokens can reach, where that child could end the path
 ahead of the nodes the exact rule reaches (``could_outrank``); on a CPU the whole selection runs compiled, in
 one call (``contest_extension``, ``csrc/dropmatch_contest.cpp``). ``contested_sample_tokens`` scores those
-samples in one product: the path is that of "all",
-from about 0.6 rows per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8. The other
+samples in one product: the path is that of "all", from about 0.6 rows per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8. The other
 samples' tokens stay unknown, so agreement is not measured. The rounds that do score a row (about 26% of them
 at least: those where a sample really accepts a child that could change the path; 29% are scored) still pay
 a pass over W, which no bound avoids here (dropout at p = 0.3 moves a logit by far more than the gaps
@@ -519,7 +518,7 @@ def compiled_contest_applies(hidden: torch.Tensor, masks: torch.Tensor, logits: 
     dtype = hidden.dtype
     return (vocab_ids is None and lm_head.rounding_steps == 1 and dtype in (torch.float32, torch.bfloat16, torch.float16)
             and all(t.is_cpu and t.dtype == dtype for t in (hidden, masks, logits, lm_head.weight))
-            and (lm_head.bias is None or lm_head.bias.is_cpu))
+            and (lm_head.bias is None or (lm_head.bias.is_cpu and lm_head.bias.dtype == dtype)))
 
 
 def contest_matches_reference(module, nodes: int = 9, samples: int = 4, width: int = 48, vocab: int = 4200) -> bool:

@@ -263,12 +263,12 @@ def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temp
     against 12-13% and 19-20% (README, "On a CPU without native bf16"). On oneDNN's bf16 kernel (AVX512-BF16),
     since the contest runs compiled (``dropmatch.contest_extension``, stops 33-34): 2.59-3.54% against
     6.37-7.19% at p = 0.3 and 0.92-1.55% against 2.30-2.54% with ``--dropout-p auto`` (Zen 4, five runs; the
-    Python contest: 4.98-5.92% and 3.10-3.70%). "all"
-    (every node's samples stacked into the tree's matmul, the weight read once) elsewhere (stock layers, a
-    GPU: not measured against contested there), and with a shortlist, whose products over gathered rows cost
-    less than selecting them saves (2.84% of a round against 3.42% level by level at M = 64, stop 28).
+    Python contest: 4.98-5.92% and 3.10-3.70%). "all" (every node's samples stacked into the tree's matmul,
+    the weight read once) elsewhere (stock layers, a GPU: not measured against contested there), and with a
+    shortlist, whose products over gathered rows cost less than selecting them saves (2.84% of a round
+    against 3.42% level by level at M = 64, stop 28).
     """
-    selective = (kernel in ("fp16", "onednn") and dropmatch_k > 0 and rule == "match" and temperature == 0
+    selective = (kernel is not None and dropmatch_k > 0 and rule == "match" and temperature == 0
                  and shortlist == 0)
     return "contested" if selective else "all"
 

@@ -23,6 +23,21 @@ SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
 CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
 
 
+@pytest.fixture
+def fresh_extension_probes():
+    """The compiled modules' answers (``fp16_extension``, ``contest_extension``, ``round_ops``: each cached per
+    process) forgotten before and after the test."""
+    from eagle_dropmatch.cpu_linear import fp16_extension
+    from eagle_dropmatch.dropmatch import contest_extension
+    from eagle_dropmatch.extensions import round_ops
+    probes = (fp16_extension, contest_extension, round_ops)
+    for probe in probes:
+        probe.cache_clear()
+    yield
+    for probe in probes:
+        probe.cache_clear()
+
+
 def tiny_target(seed: int = 0, vocab: int = 96, layers: int = 8, hidden: int = 64,
                 max_positions: int = 512) -> LlamaForCausalLM:
     """A random fp32 Llama (8 layers, so the EAGLE-3 feature layers 2, 4, 5 are distinct)."""

@@ -67,14 +67,6 @@ def test_an_fp16_packed_linear_gives_the_fp32_product_of_the_bf16_weights(inputs
     assert not packed_matches(linear, wrong)  # the check can fail: another weight is caught
 
 
-@pytest.fixture
-def fresh_extension_probe():
-    """``fp16_extension``'s answer forgotten before and after the test (it is cached per process)."""
-    cpu_linear.fp16_extension.cache_clear()
-    yield
-    cpu_linear.fp16_extension.cache_clear()
-
-
 def can_build_extensions() -> bool:
     import shutil
     from torch.utils.cpp_extension import is_ninja_available
@@ -141,7 +133,7 @@ class OffByOne:
 
 
 @fp16
-def test_an_extension_whose_output_differs_is_not_used(monkeypatch, fresh_extension_probe, capsys):
+def test_an_extension_whose_output_differs_is_not_used(monkeypatch, fresh_extension_probes, capsys):
     assert not cpu_linear.extension_matches_binding(OffByOne)
     from torch.utils import cpp_extension
     monkeypatch.setattr(cpp_extension, "load", lambda *args, **kwargs: OffByOne)
@@ -150,7 +142,7 @@ def test_an_extension_whose_output_differs_is_not_used(monkeypatch, fresh_extens
 
 
 @fp16
-def test_without_the_extension_fp16_layers_run_on_torchs_binding(monkeypatch, fresh_extension_probe, capsys,
+def test_without_the_extension_fp16_layers_run_on_torchs_binding(monkeypatch, fresh_extension_probes, capsys,
                                                                  tmp_path):
     """Switched off by the environment, or failing to build (a line saying it builds, then one saying why it
     is unavailable): the layer is packed for torch's binding and computes the same product."""

@@ -155,6 +155,10 @@ def test_the_compiled_contest_applies_only_where_it_judges_as_the_reference():
     assert not compiled_contest_applies(hidden, masks, logits, head, torch.arange(10))  # a shortlist
     assert not compiled_contest_applies(hidden.double(), masks.double(), logits.double(), head, None)
     assert not compiled_contest_applies(hidden, masks, logits.float(), head, None)  # dtypes differ
+    biased, *_ = random_round(0, SHAPES[0], 300, torch.bfloat16, bias=True)
+    assert compiled_contest_applies(hidden, masks, logits, biased, None)
+    biased.linear.bias.data = biased.linear.bias.data.float()  # a bias in another dtype
+    assert not compiled_contest_applies(hidden, masks, logits, biased, None)
     head.softcap = 30.0
     assert not compiled_contest_applies(hidden, masks, logits, head, None)  # four roundings
 
@@ -169,6 +173,10 @@ def test_a_bad_call_is_one_error_not_a_crash():
         module.contested_children(*args[:4], torch.full_like(tree.tokens[1:], 10**6), *args[5:])
     with pytest.raises(RuntimeError, match="do not fit"):
         module.contested_children(*args[:6], contest[:, :-1], *args[7:])
+    with pytest.raises(RuntimeError, match="bias must be"):
+        module.contested_children(*args, torch.zeros(300, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="bias must be"):
+        module.contested_children(*args, torch.zeros(299))
     tree_args = (tree.tokens, tree.parents, tree.depths, head.weight.detach(), 1.0)
     with pytest.raises(RuntimeError, match="depth-major"):
         module.contested_samples(hidden, masks, logits, undropped, tree.tokens, torch.tensor([-1, 3, 0, 1, 1, 2, 5]),
@@ -177,22 +185,14 @@ def test_a_bad_call_is_one_error_not_a_crash():
         module.contested_samples(hidden, masks, logits, undropped, tree.tokens[:-1], *tree_args[1:])
 
 
-@pytest.fixture
-def fresh_contest_probe():
-    """``contest_extension``'s answer forgotten before and after the test (it is cached per process)."""
-    contest_extension.cache_clear()
-    yield
-    contest_extension.cache_clear()
-
-
-def test_the_contest_is_not_built_when_the_environment_says_so(monkeypatch, fresh_contest_probe, capsys):
+def test_the_contest_is_not_built_when_the_environment_says_so(monkeypatch, fresh_extension_probes, capsys):
     from torch.utils import cpp_extension
     monkeypatch.setenv("EAGLE_DROPMATCH_CONTEST_EXTENSION", "0")
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built anyway"))
     assert contest_extension() is None and capsys.readouterr().err == ""
 
 
-def test_without_a_compiler_the_python_contest_runs_and_says_so_once(monkeypatch, fresh_contest_probe, capsys):
+def test_without_a_compiler_the_python_contest_runs_and_says_so_once(monkeypatch, fresh_extension_probes, capsys):
     from torch.utils import cpp_extension
 
     def no_ninja(*args, **kwargs):
@@ -218,7 +218,7 @@ class PassesEverything:
         return contested.clone()
 
 
-def test_a_contest_that_judges_otherwise_is_not_used(monkeypatch, fresh_contest_probe, capsys):
+def test_a_contest_that_judges_otherwise_is_not_used(monkeypatch, fresh_extension_probes, capsys):
     from torch.utils import cpp_extension
     assert not dropmatch.contest_matches_reference(PassesEverything)
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: PassesEverything)

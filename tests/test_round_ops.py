@@ -105,15 +105,7 @@ def test_bad_calls_raise_one_error_and_change_nothing(module):
     assert all(torch.equal(t, b) and t.shape == b.shape for t, b in zip(tensors, before))
 
 
-@pytest.fixture
-def fresh_cache_probe():
-    """``round_ops``' answer forgotten before and after the test (it is cached per process)."""
-    round_ops.cache_clear()
-    yield
-    round_ops.cache_clear()
-
-
-def test_the_compaction_is_not_built_when_the_environment_says_so(monkeypatch, fresh_cache_probe, capsys):
+def test_the_compaction_is_not_built_when_the_environment_says_so(monkeypatch, fresh_extension_probes, capsys):
     from torch.utils import cpp_extension
     monkeypatch.setenv("EAGLE_DROPMATCH_ROUND_OPS_EXTENSION", "0")
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built anyway"))
@@ -125,7 +117,7 @@ def test_the_compaction_is_not_built_when_the_environment_says_so(monkeypatch, f
         assert torch.equal(mine.keys, torch.cat([ref.keys[:, :, :8], ref.keys[:, :, [8, 10, 11]]], dim=2))
 
 
-def test_without_a_compiler_the_python_compaction_runs_and_says_so_once(monkeypatch, fresh_cache_probe, capsys):
+def test_without_a_compiler_the_python_compaction_runs_and_says_so_once(monkeypatch, fresh_extension_probes, capsys):
     from torch.utils import cpp_extension
 
     def no_ninja(*args, **kwargs):
@@ -156,7 +148,7 @@ class DropsTheLastEntry:
         return True
 
 
-def test_a_compaction_that_differs_is_not_used(monkeypatch, fresh_cache_probe, capsys):
+def test_a_compaction_that_differs_is_not_used(monkeypatch, fresh_extension_probes, capsys):
     from torch.utils import cpp_extension
     assert not round_ops_match_reference(DropsTheLastEntry)
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: DropsTheLastEntry)

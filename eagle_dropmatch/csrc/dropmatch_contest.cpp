@@ -191,12 +191,8 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
   const int64_t* children_ptr = children.data_ptr<int64_t>();
   const int64_t* parents_ptr = parents.data_ptr<int64_t>();
   const bool* contested_ptr = contested.data_ptr<bool>();
-  std::vector<float> bias_values;
-  if (bias.has_value()) {
-    const auto b = bias->to(at::kFloat).contiguous();
-    bias_values.assign(b.data_ptr<float>(), b.data_ptr<float>() + vocab);
-  }
-  auto bias_of = [&](int64_t id) { return bias_values.empty() ? 0.0f : bias_values[id]; };
+  const T* bias_ptr = bias.has_value() ? bias->data_ptr<T>() : nullptr;  // read where needed, not copied
+  auto bias_of = [&](int64_t id) { return bias_ptr == nullptr ? 0.0f : static_cast<float>(bias_ptr[id]); };
 
   // Each node's children, and the nodes with a contested child.
   std::vector<std::vector<int64_t>> kids(n);
@@ -305,7 +301,7 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
 // hidden [N, H], masks [K, N, H], logits [N, V] (the undropped ones) and weight [V, H] in one dtype (fp32,
 // bf16 or fp16), contiguous, on the CPU; undropped [N], children [N - 1] (the tree's tokens 1..N-1) and
 // parents [N - 1] int64; contested bool [K, N - 1], the pairs to test; max_row_norm the largest |row| of
-// weight; bias [V] or None.
+// weight; bias [V] in their dtype, or None.
 at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks, const at::Tensor& logits,
                               const at::Tensor& undropped, const at::Tensor& children, const at::Tensor& parents,
                               const at::Tensor& contested, const at::Tensor& weight, double max_row_norm,
@@ -326,6 +322,9 @@ at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks,
   TORCH_CHECK(masks.scalar_type() == hidden.scalar_type() && logits.scalar_type() == hidden.scalar_type() &&
                   weight.scalar_type() == hidden.scalar_type(),
               "hidden, masks, logits and weight must share one dtype");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == hidden.scalar_type() && bias->device().is_cpu() &&
+                                    bias->is_contiguous() && bias->numel() >= logits.size(1)),
+              "the bias must be a contiguous CPU tensor [V] of hidden's dtype");
   TORCH_CHECK(undropped.scalar_type() == at::kLong && children.scalar_type() == at::kLong &&
                   parents.scalar_type() == at::kLong && contested.scalar_type() == at::kBool,
               "expected int64 token and parent ids and a bool contest");
