@@ -334,7 +334,7 @@ class SpeculativeDecoder:
         while not done and prefix + drafter.max_nodes <= self.max_positions:
             # 1. Draft a tree of N nodes, root first, depth-major.
             with timer.section("draft"):
-                tree = drafter.propose(prefix)
+                tree = drafter.propose(prefix).to(self.device)
             # 2. Verify: one target forward over the N nodes on top of the committed cache.
             with timer.section("target"):
                 hidden, features = target_forward(

@@ -44,6 +44,16 @@ class DraftTree:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def to(self, device: torch.device) -> "DraftTree":
+        """This tree with its tensors on ``device`` (itself when they are there already): a drafter may
+        propose on another device than the target's (a draft model on another GPU, a drafter on the CPU)."""
+        if self.tokens.device == device:
+            return self
+        moved = {name: getattr(self, name).to(device) for name in
+                 ("tokens", "parents", "depths", "ancestors", "has_children")}
+        probs = None if self.draft_probs is None else self.draft_probs.to(device)
+        return DraftTree(**moved, draft_probs=probs, sampled=self.sampled)
+
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor,
                      max_depth: int | None = None) -> "DraftTree":

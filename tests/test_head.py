@@ -165,6 +165,20 @@ def test_draft_tree_shape_and_restores_the_cache(target, shape):
     assert torch.equal(rebuilt.ancestors, tree.ancestors) and torch.equal(rebuilt.depths, tree.depths)
 
 
+def test_a_tree_moves_whole_to_the_targets_device():
+    """The engine moves a proposed tree to the target's device (a drafter on the CPU, a GPU target): every
+    tensor goes, the flags stay, and a tree already there is returned as is."""
+    tree = DraftTree.from_parents(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]))
+    tree.draft_probs, tree.sampled = torch.full((4, 10), 0.1), True
+    assert tree.to(torch.device("cpu")) is tree
+    moved = tree.to(torch.device("meta"))
+    for name in ("tokens", "parents", "depths", "ancestors", "has_children", "draft_probs"):
+        assert getattr(moved, name).device.type == "meta"
+        assert getattr(moved, name).shape == getattr(tree, name).shape
+        assert getattr(moved, name).dtype == getattr(tree, name).dtype
+    assert moved.sampled and tree.tokens.device.type == "cpu"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_the_llama_formula_bit_for_bit(dtype):
     gen = torch.Generator().manual_seed(0)
