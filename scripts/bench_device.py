@@ -13,21 +13,29 @@ verification round, in the same sections and with the same DropMatch cost (lm_he
 against EAGLE-3) as scripts/bench_round.py. Random weights accept almost nothing, so every round verifies a
 full tree and commits about one token: the round's cost is what is measured here, not tau. ``--shape tiny``
 runs the same on a CPU in seconds (a smoke check).
+
+It then counts the tensor operations each section dispatches per round (one more run per variant, untimed;
+views left out). On a GPU each is about one kernel launch, and a round made of many small ones (transformers'
+eager forward, DropMatch's masks and bookkeeping) costs about the host's time per launch times their number:
+the count is the same on any device, so it can be taken on a CPU too.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_round import lm_head_costs, print_report, round_record, round_table  # noqa: E402
+from bench_round import DROPMATCH_SECTIONS, SECTIONS, lm_head_costs, print_report, round_record, round_table  # noqa: E402
 from script_args import positive_int  # noqa: E402
 from eagle_dropmatch.drafters import Eagle3Drafter  # noqa: E402
 from eagle_dropmatch.dropmatch import DropMatchConfig  # noqa: E402
@@ -71,6 +79,41 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int):
     return target, head.to(device=device, dtype=dtype).eval(), aux
 
 
+METADATA_ONLY = {torch.ops.aten._unsafe_view.default}  # a reshape that is not flagged as a view
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the tensor operations dispatched inside each named section (views, which launch nothing, are
+    left out). Used as a drop-in timer: ``engine.generate(..., timer=counter)`` inside ``with counter:``."""
+
+    def __init__(self):
+        super().__init__()
+        self.current: str | None = None
+        self.counts: collections.Counter = collections.Counter()
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        outer, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = outer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.current is not None and not func.is_view and func not in METADATA_ONLY:
+            self.counts[self.current] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_round(engine, prompt: torch.Tensor, drafter, cfg) -> dict[str, float]:
+    """Tensor operations per verification round in each section of one generation (prefill left out)."""
+    counter = OpCounter()
+    with counter:
+        out = engine.generate(prompt, drafter, cfg, timer=counter)
+    rounds = max(out.rounds - 1, 1)
+    return {s: counter.counts[s] / rounds for s in SECTIONS}
+
+
 def parse_tree(spec: str) -> tuple[int, int, int]:
     """``total_token/depth/top_k``, checked as the engine checks a tree shape; LoadError otherwise."""
     try:
@@ -79,6 +122,17 @@ def parse_tree(spec: str) -> tuple[int, int, int]:
         raise LoadError(f"--tree {spec!r}: expected total_token/depth/top_k, e.g. 8/3/2") from None
     check_tree_shape(total_token, depth, top_k)
     return total_token, depth, top_k
+
+
+def print_ops(ops: dict[str, dict[str, float]]) -> None:
+    width = max(28, *(len(name) + 2 for name in ops))
+    print("tensor operations per round (first prompt; views left out), and DropMatch's against eagle3's in "
+          "lm_head + dropmatch + bookkeeping:")
+    print(f"{'variant':{width}s}" + "".join(f"{s:>12s}" for s in (*SECTIONS, "round")) + f"{'DM ops':>10s}")
+    base = sum(ops["eagle3"][s] for s in DROPMATCH_SECTIONS)
+    for name, row in ops.items():
+        print(f"{name:{width}s}" + "".join(f"{row[s]:12.1f}" for s in SECTIONS) + f"{sum(row.values()):12.1f}"
+              + f"{sum(row[s] for s in DROPMATCH_SECTIONS) - base:10.1f}")
 
 
 def main(argv=None) -> int:
@@ -142,11 +196,14 @@ def main(argv=None) -> int:
         k = args.dropmatch_k
         costs = lm_head_costs(target.get_output_embeddings(), total_token,
                               [k, k * max(total_token // 4, 1), k * max(total_token // 2, 1)])
-        results[spec] = {"per_round_ms": table, "lm_head": costs}
+        ops = {name: ops_per_round(engine, prompts[0], drafter, DecodeConfig(
+            max_new_tokens=args.rounds, dropmatch=dm, seed=args.seed)) for name, dm in variants.items()}
+        results[spec] = {"per_round_ms": table, "lm_head": costs, "ops_per_round": ops}
         if not args.json:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
             print_report(table, costs, f"\n{args.shape} (random weights, {args.dtype}) on {name}, tree {spec}, "
                                        f"median over {len(prompts)} prompts of {args.rounds} rounds:")
+            print_ops(ops)
     if args.json:
         print(json.dumps({"settings": vars(args), "trees": results}, indent=2))
     return 0

@@ -39,6 +39,26 @@ def test_bench_device_smoke(capsys):
     same = report["trees"]["4/2/2"]["lm_head"]["stacked_rows_identical"]  # per extra rows; a property of the BLAS
     assert set(same) == set(report["trees"]["4/2/2"]["lm_head"]["stacked_ms"])
     assert all(isinstance(v, bool) for v in same.values())
+    ops = report["trees"]["4/2/2"]["ops_per_round"]  # counted on the same variants
+    assert set(ops) == set(table)
+    assert len({row["target"] for row in ops.values()}) == 1  # the same forward in every variant
+    assert ops["eagle3"]["dropmatch"] == 0 and ops["dropmatch K=5 p=0.3"]["dropmatch"] > 0
+    assert ops["eagle3"]["draft"] > 0 and ops["eagle3"]["bookkeeping"] > 0
+
+
+def test_op_counter_counts_per_section_and_leaves_views_out():
+    import torch
+    module = _script("bench_device")
+    counter = module.OpCounter()
+    with counter:
+        x = torch.ones(6)  # outside every section: not counted
+        with counter.section("a"):
+            y = x.view(2, 3).t().t().reshape(6) + 1  # views and a reshape without a copy: none counted; add: 1
+            with counter.section("b"):
+                z = (y * 2).sum()  # 2 in b
+            w = torch.cat([y, y])  # back in a
+    assert counter.counts == {"a": 2, "b": 2}
+    assert float(z) == 42.0 and w.shape == (12,)
 
 
 def test_bench_device_without_cuda_is_one_line(capsys, monkeypatch):
