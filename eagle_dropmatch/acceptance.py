@@ -367,6 +367,30 @@ def accepted_length(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.T
     return depths[_deepest_accepted(tokens, parents, depths, ancestors, accept_sets)] + 1
 
 
+def accepted_path_and_exact_length(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                                   ancestors: torch.Tensor, accept_sets: torch.Tensor,
+                                   compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lossy rule's path and what exact matching would have accepted on the same tree, from one pass.
+
+    The same as ``longest_accepted_path(..., accept_sets)`` and ``accepted_length(..., accept_sets[:, :1])``
+    (column 0 of every lossy rule's sets is the target's own token). Off the compiled verifier both are
+    found together: the two rules' accepted nodes as two rows of the same tensor operations, about half the
+    operations (on a GPU, launches) of two passes.
+
+    Returns:
+        [m + 1] node indices of the path, root first; the exact length as a 0-d tensor (no host sync).
+    """
+    args = (tokens, parents, depths, ancestors)
+    if compiled and round_ops() is not None and _compiled_verifier_applies(tokens, parents, depths, accept_sets):
+        return (longest_accepted_path(*args, accept_sets), accepted_length(*args, accept_sets[:, :1]))
+    matches = tokens[:, None] == accept_sets[parents.clamp(min=0)]  # [N, S]
+    ok = torch.stack([matches.any(dim=-1), matches[:, 0]])  # [2, N]: the rule's, exact matching's
+    ok[:, 0] = True
+    reach = ~(ancestors[None] & ~ok[:, None, :]).any(dim=-1)  # [2, N], as reached_through row by row
+    deepest = torch.where(reach, depths, -1).argmax(dim=-1)  # [2]
+    return ancestors[deepest[0]].nonzero().flatten(), depths[deepest[1]] + 1
+
+
 def _compiled_verifier_applies(tokens, parents, depths, accept_sets) -> bool:
     """Whether ``round_ops``' verifier takes these: int64 CPU tensors (the tree's contiguous)."""
     return (accept_sets.is_cpu and accept_sets.dtype == torch.long and accept_sets.dim() == 2

@@ -724,6 +724,28 @@ def calibrate_dropout_p(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
     return math.exp(0.5 * (lo + hi))
 
 
+class AgreementTally:
+    """The agreement statistics of a generation: each round's path tokens kept, all counted once at the end
+    (``agreement_counts`` over every round's positions in one call). Counting round by round took a dozen
+    small operations a round, each a kernel launch on a GPU; this takes three indexings a round."""
+
+    def __init__(self):
+        self.rounds: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, target_tokens: torch.Tensor, sample_tokens: torch.Tensor, deciding: torch.Tensor,
+            path: torch.Tensor) -> None:
+        """One round: target_tokens [N], sample_tokens [K, N], deciding bool [N], path [m + 1] node indices
+        (the positions counted are the path's deciding nodes)."""
+        self.rounds.append((target_tokens[path], sample_tokens[:, path], deciding[path]))
+
+    def counts(self) -> list[int]:
+        """[positions counted, positions where all K samples equal the undropped token, accepted-set total]."""
+        if not self.rounds:
+            return [0, 0, 0]
+        tokens, samples, counted = zip(*self.rounds)
+        return agreement_counts(torch.cat(tokens), torch.cat(samples, dim=1), torch.cat(counted)).tolist()
+
+
 def agreement_counts(target_tokens: torch.Tensor, sample_tokens: torch.Tensor,
                      counted: torch.Tensor) -> torch.Tensor:
     """Counts for the agreement statistics over the verified positions, on the tokens' device (no sync).

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .acceptance import (DraftView, TargetView, accepted_length, choose_tokens, exact, longest_accepted_path,
-                         make_rule, rejection_tokens)
-from .dropmatch import (DropMatchConfig, agreement_counts, calibrate_dropout_p, check_sample_rows, check_shortlist,
+from .acceptance import (DraftView, TargetView, accepted_path_and_exact_length, choose_tokens, exact,
+                         longest_accepted_path, make_rule, rejection_tokens)
+from .dropmatch import (AgreementTally, DropMatchConfig, calibrate_dropout_p, check_sample_rows, check_shortlist,
                         choose_protect, contest_extension, contested_sample_tokens, deciding_nodes, dropout_inputs,
                         dropout_masks, lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
                         shortlist_logits, tokens_of_samples)
@@ -329,7 +329,7 @@ class SpeculativeDecoder:
         # DropMatch draws its masks and sample tokens from a generator of its own, so the target's own
         # draws at T > 0 are the same with and without it.
         dm_gen = _new_generator(self.device, cfg.seed + 2) if dm.active else None
-        agreement = torch.zeros(3, dtype=torch.long, device=self.device)  # see agreement_counts
+        tally = AgreementTally()  # agreement statistics, counted once at the end
 
         while not done and prefix + drafter.max_nodes <= self.max_positions:
             # 1. Draft a tree of N nodes, root first, depth-major.
@@ -386,17 +386,17 @@ class SpeculativeDecoder:
             # 3. Accept the longest path whose every token is in its parent's accepted set.
             with timer.section("bookkeeping"):
                 accept_sets = rule(target_view, DraftView(tree.tokens, tree.parents, tree.draft_probs))
-                path = longest_accepted_path(tree.tokens, tree.parents, tree.depths, tree.ancestors,
-                                             accept_sets)  # [m + 1], root first
-                if measures_agreement:
-                    counted = torch.zeros_like(tree.has_children)
-                    counted[path] = deciding[path]  # path nodes whose sets decided something
-                    agreement += agreement_counts(tokens, target_view.sample_tokens, counted)
+                verifier_args = (tree.tokens, tree.parents, tree.depths, tree.ancestors, accept_sets)
+                if dm.lossy:  # the path, and what exact matching would have committed on the same tree
+                    path, exact_length = accepted_path_and_exact_length(*verifier_args)  # [m + 1], root first
+                else:
+                    path = longest_accepted_path(*verifier_args)  # [m + 1], root first
+                if measures_agreement:  # the path's nodes whose sets decided something
+                    tally.add(tokens, target_view.sample_tokens, deciding, path)
                 new_tokens = torch.cat([tree.tokens[path[1:]], tokens[path[-1:]]])  # [m + 1]
                 fetched = [new_tokens, path]
-                if dm.lossy:  # what exact matching would have committed
-                    fetched.append(accepted_length(tree.tokens, tree.parents, tree.depths, tree.ancestors,
-                                                   accept_sets[:, :1])[None])
+                if dm.lossy:
+                    fetched.append(exact_length[None])
                 host = torch.cat(fetched).tolist()  # tokens, path and exact length in one host read
                 n_path = len(path)
                 committed, path_nodes = host[:n_path], host[n_path:2 * n_path]
@@ -412,6 +412,6 @@ class SpeculativeDecoder:
                     drafter.commit(None if features is None else features[path], new_tokens)
         if not done:
             result.stop_reason = "context"
-        result.verified_positions, result.agreeing_positions, result.accepted_set_total = agreement.tolist()
+        result.verified_positions, result.agreeing_positions, result.accepted_set_total = tally.counts()
         result.wall_time = time.perf_counter() - start
         return result

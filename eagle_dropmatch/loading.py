@@ -264,8 +264,10 @@ def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temp
     since the contest runs compiled (``dropmatch.contest_extension``, stops 33-34): 2.59-3.54% against
     6.37-7.19% at p = 0.3 and 0.92-1.55% against 2.30-2.54% with ``--dropout-p auto`` (Zen 4, five runs; the
     Python contest: 4.98-5.92% and 3.10-3.70%). "all" (every node's samples stacked into the tree's matmul,
-    the weight read once) elsewhere (stock layers, a GPU: not measured against contested there), and with a
-    shortlist, whose products over gathered rows cost less than selecting them saves (2.84% of a round
+    the weight read once) elsewhere: on stock layers, and on a GPU, where the stacked rows cost almost
+    nothing and choosing fewer reads values back to the host (an H200 with a random Llama-3.1-8B-shaped
+    target, stop 36: all rows 3.07% / 2.73% of a round at trees 8/3/2 / 60/7/10, contested 4.79% / 4.29%);
+    and with a shortlist, whose products over gathered rows cost less than selecting them saves (2.84% of a round
     against 3.42% level by level at M = 64, stop 28).
     """
     selective = (kernel is not None and dropmatch_k > 0 and rule == "match" and temperature == 0

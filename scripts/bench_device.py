@@ -35,7 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_round import DROPMATCH_SECTIONS, SECTIONS, lm_head_costs, print_report, round_record, round_table  # noqa: E402
+from bench_round import (DROPMATCH_SECTIONS, SECTIONS, lm_head_costs, print_report, round_record,  # noqa: E402
+                         round_table)
 from script_args import positive_int  # noqa: E402
 from eagle_dropmatch.drafters import Eagle3Drafter  # noqa: E402
 from eagle_dropmatch.dropmatch import DropMatchConfig  # noqa: E402

@@ -53,8 +53,8 @@ def watch_rounds(on_round):
     """Call ``on_round(logits, sample_logits, samples, tokens, parents, depths, ancestors, accept_sets)`` once
     per DropMatch round of the engine, by wrapping the functions the decoding loop calls (restored on exit)."""
     stash = {}
-    originals = (engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path)
-    lm_head_with_samples, tokens_of_samples, longest_accepted_path = originals
+    originals = (engine.lm_head_with_samples, engine.tokens_of_samples, engine.accepted_path_and_exact_length)
+    lm_head_with_samples, tokens_of_samples, verify_lossy = originals
 
     def head(lm_head, hidden, dropped):
         stash["logits"], stash["sample_logits"] = lm_head_with_samples(lm_head, hidden, dropped)
@@ -68,14 +68,14 @@ def watch_rounds(on_round):
         if "samples" in stash:
             on_round(stash["logits"], stash["sample_logits"], stash.pop("samples"), tokens, parents, depths,
                      ancestors, accept_sets)
-        return longest_accepted_path(tokens, parents, depths, ancestors, accept_sets)
+        return verify_lossy(tokens, parents, depths, ancestors, accept_sets)
 
-    engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path = (
+    engine.lm_head_with_samples, engine.tokens_of_samples, engine.accepted_path_and_exact_length = (
         head, sample_tokens, verifier)
     try:
         yield
     finally:
-        engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path = originals
+        engine.lm_head_with_samples, engine.tokens_of_samples, engine.accepted_path_and_exact_length = originals
 
 
 def measure(model, prompts: list[torch.Tensor], shortlists: list[int], **generate_kwargs) -> dict:

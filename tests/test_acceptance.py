@@ -7,10 +7,11 @@ import torch
 
 from eagle_dropmatch.acceptance import (ARGMAX_BLOCK, DraftView, TargetView, choose_tokens, dropmatch_match, exact,
                                         first_argmax, longest_accepted_path, process_logits, top_k_rule)
-from eagle_dropmatch.dropmatch import (RIVAL_BLOCK, DropMatchConfig, agreement_counts, contested_children,
-                                       contested_sample_tokens, deciding_nodes, dropout_inputs, dropout_masks,
-                                       lm_head_with_samples, may_win, reachable_sample_tokens, rescale_needed,
-                                       rival_tokens, shortlist_ids, shortlist_logits, tokens_of_samples)
+from eagle_dropmatch.dropmatch import (RIVAL_BLOCK, AgreementTally, DropMatchConfig, agreement_counts,
+                                       contested_children, contested_sample_tokens, deciding_nodes, dropout_inputs,
+                                       dropout_masks, lm_head_with_samples, may_win, reachable_sample_tokens,
+                                       rescale_needed, rival_tokens, shortlist_ids, shortlist_logits,
+                                       tokens_of_samples)
 from eagle_dropmatch.tree import DraftTree
 from eagle_dropmatch.verify import TargetLMHead
 
@@ -124,6 +125,26 @@ def test_agreement_counts_on_forced_samples():
                                                    torch.tensor([True, True, True, False])).tolist()
     assert (positions, agree) == (3, 1)  # only position 0 has all samples equal to the target
     assert set_total == 1 + 2 + 2  # {3}, {4, 2}, {5, 1}
+
+
+def test_agreement_tally_counts_the_paths_deciding_nodes_as_round_by_round_counts():
+    """Counting all rounds at once over their paths gives the sums of per-round counts over whole trees
+    with the nodes off the path or not deciding left out (how the engine counted before the tally)."""
+    generator = torch.Generator().manual_seed(3)
+    tally, summed = AgreementTally(), torch.zeros(3, dtype=torch.long)
+    assert tally.counts() == [0, 0, 0]
+    for _ in range(20):
+        n = int(torch.randint(2, 12, (1,), generator=generator))
+        target_tokens = torch.randint(0, 4, (n,), generator=generator)
+        noise = torch.randint(-1, 4, (5, n), generator=generator)
+        samples = torch.where(torch.rand(5, n, generator=generator) < 0.85, target_tokens, noise)  # mostly agree
+        deciding = torch.rand(n, generator=generator) < 0.6
+        path = torch.randperm(n, generator=generator)[:int(torch.randint(1, n + 1, (1,), generator=generator))]
+        tally.add(target_tokens, samples, deciding, path)
+        counted = torch.zeros(n, dtype=torch.bool)
+        counted[path] = deciding[path]
+        summed += agreement_counts(target_tokens, samples, counted)
+    assert tally.counts() == summed.tolist() and summed[0] > summed[1] > 0
 
 
 def sample_argmax(hidden, weight, nodes, cfg, seed, bias=None, rescale=True):

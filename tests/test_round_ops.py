@@ -7,7 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from eagle_dropmatch import verify
-from eagle_dropmatch.acceptance import accepted_length, first_argmax, longest_accepted_path
+from eagle_dropmatch.acceptance import (accepted_length, accepted_path_and_exact_length, first_argmax,
+                                        longest_accepted_path)
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.extensions import round_ops, round_ops_match_reference
 from eagle_dropmatch.verify import compact_cache
@@ -216,6 +217,24 @@ def test_the_compiled_verifier_finds_the_python_verifiers_path(module):
             assert accepted_length(*args).item() == accepted_length(*args, compiled=False).item() == path.shape[0]
             lengths.add(path.shape[0])
     assert len(lengths) >= 5  # short and long paths
+
+
+def test_a_lossy_path_and_its_exact_length_come_from_one_pass_as_from_two():
+    """``accepted_path_and_exact_length`` (the engine's call for a lossy rule) gives ``longest_accepted_path``
+    on the sets and ``accepted_length`` on their column 0, compiled or not (the GPU's path), on random trees."""
+    generator = torch.Generator().manual_seed(4)
+    differ = 0
+    for _ in range(300):
+        tree = random_tree(generator, int(torch.randint(1, 30, (1,), generator=generator)))
+        sets = torch.randint(-1, 3, (len(tree.tokens), 4), generator=generator)
+        args = (tree.tokens, tree.parents, tree.depths, tree.ancestors)
+        path = longest_accepted_path(*args, sets, compiled=False)
+        exact = accepted_length(*args, sets[:, :1], compiled=False)
+        for compiled in (True, False):
+            got_path, got_exact = accepted_path_and_exact_length(*args, sets, compiled=compiled)
+            assert torch.equal(got_path, path) and got_exact.dim() == 0 and int(got_exact) == int(exact)
+        differ += int(exact) != path.shape[0]
+    assert differ > 50  # the lossy sets often accept more than exact matching
 
 
 def test_a_tree_that_is_not_depth_major_goes_to_the_python_verifier(module):

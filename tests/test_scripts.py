@@ -366,12 +366,12 @@ def test_dropmatch_shortlist_measures_what_the_shortlist_changes(tiny_model_dir,
     prompts = [model.chat_ids([{"role": "user", "content": text}]) for text in ("Say something.", "Count on.")]
     settings = dict(max_new_tokens=12, dropmatch_k=5, dropout_p=0.3)
     unwatched = [model.generate(ids, **settings).token_ids for ids in prompts]
-    originals = (engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path)
+    originals = (engine.lm_head_with_samples, engine.tokens_of_samples, engine.accepted_path_and_exact_length)
     seen = []
     with module.watch_rounds(lambda *round_: seen.append(round_)):
         watched = [model.generate(ids, **settings).token_ids for ids in prompts]
     assert watched == unwatched and seen
-    assert (engine.lm_head_with_samples, engine.tokens_of_samples, engine.longest_accepted_path) == originals
+    assert (engine.lm_head_with_samples, engine.tokens_of_samples, engine.accepted_path_and_exact_length) == originals
     vocab = model.target.config.vocab_size
     result = module.measure(model, prompts, [1, 4, 16, vocab], **settings)
     assert result["rows"] > 0 and result["rounds"] > 0
