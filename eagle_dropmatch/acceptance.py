@@ -310,8 +310,9 @@ def accepted_mask(tokens: torch.Tensor, parents: torch.Tensor, ancestors: torch.
 
 
 def reached_through(ancestors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """bool [N]: nodes whose every node from the root down to themselves is ``ok`` (bool [N])."""
-    return ~(ancestors & ~ok[None, :]).any(dim=-1)
+    """bool [..., N]: nodes whose every node from the root down to themselves is ``ok`` (bool [..., N]; each
+    leading index one set of ok nodes)."""
+    return ~(ancestors & ~ok[..., None, :]).any(dim=-1)
 
 
 def could_outrank(ancestors: torch.Tensor, depths: torch.Tensor, sure: torch.Tensor, maybe: torch.Tensor) -> torch.Tensor:
@@ -386,8 +387,7 @@ def accepted_path_and_exact_length(tokens: torch.Tensor, parents: torch.Tensor, 
     matches = tokens[:, None] == accept_sets[parents.clamp(min=0)]  # [N, S]
     ok = torch.stack([matches.any(dim=-1), matches[:, 0]])  # [2, N]: the rule's, exact matching's
     ok[:, 0] = True
-    reach = ~(ancestors[None] & ~ok[:, None, :]).any(dim=-1)  # [2, N], as reached_through row by row
-    deepest = torch.where(reach, depths, -1).argmax(dim=-1)  # [2]
+    deepest = torch.where(reached_through(ancestors, ok), depths, -1).argmax(dim=-1)  # [2]
     return ancestors[deepest[0]].nonzero().flatten(), depths[deepest[1]] + 1
 
 

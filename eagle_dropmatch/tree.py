@@ -10,7 +10,7 @@ depth levels only, never over nodes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -49,10 +49,8 @@ class DraftTree:
         propose on another device than the target's (a draft model on another GPU, a drafter on the CPU)."""
         if self.tokens.device == device:
             return self
-        moved = {name: getattr(self, name).to(device) for name in
-                 ("tokens", "parents", "depths", "ancestors", "has_children")}
-        probs = None if self.draft_probs is None else self.draft_probs.to(device)
-        return DraftTree(**moved, draft_probs=probs, sampled=self.sampled)
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{name: t.to(device) for name, t in tensors.items() if isinstance(t, torch.Tensor)})
 
     @classmethod
     def from_parents(cls, tokens: torch.Tensor, parents: torch.Tensor,

@@ -24,7 +24,6 @@ CUDA = torch.device("cuda")
 
 @pytest.fixture(scope="module")
 def target():
-    torch.backends.cuda.matmul.allow_tf32 = False  # the default; fp32 products in fp32
     return tiny_target(seed=1).to(CUDA)
 
 
