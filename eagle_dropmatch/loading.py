@@ -26,6 +26,7 @@ from .drafters import Drafter, Eagle3Drafter
 from .dropmatch import DropMatchConfig, check_sample_rows, check_shortlist
 from .generate import DecodeConfig, Generation, RoundTimer, SpeculativeDecoder
 from .head import Eagle3Head, HeadError, check_aux_layer_ids, default_aux_layer_ids, load_head
+from .tree_attention import NATIVE_GQA_SDPA, use_native_gqa
 from .verify import cache_argument, check_forward_arguments, check_layer_types, check_tree_verification
 
 RULE_NAMES = ("match", "js", "topk")
@@ -160,6 +161,11 @@ class EagleModel:
     draft: object | None = None
     prepacked: int = 0
     kernel: str | None = None
+
+    @property
+    def native_gqa(self) -> bool:
+        """Whether the target attends with ``tree_attention.sdpa_native_gqa`` (a CPU target with grouped heads)."""
+        return getattr(self.target.config, "_attn_implementation", None) == NATIVE_GQA_SDPA
 
     @property
     def threaded(self) -> int:
@@ -420,6 +426,7 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
     if ea_model_path is None and require_head:
         raise LoadError("no EAGLE-3 head given: pass --ea-model-path HEAD (or --baseline)")
     target, tokenizer = load_target(model_path, torch_dtype, device)
+    use_native_gqa(target)  # a CPU target with grouped heads verifies trees without copying its keys and values
     head, aux = (None, None)
     if ea_model_path is not None:
         head, aux = attach_head(target, ea_model_path, torch_dtype)

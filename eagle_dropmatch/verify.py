@@ -15,6 +15,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from .extensions import round_ops
+from .tree_attention import NATIVE_GQA_SDPA
 
 
 def decoder_of(target: nn.Module) -> nn.Module:
@@ -222,13 +223,14 @@ def local_attention(mask: torch.Tensor, query_positions: torch.Tensor, key_posit
 def tree_mask_dtype(target: nn.Module) -> torch.dtype | None:
     """The dtype in which the target's attention takes a custom 4-D mask such as the tree's, or None.
 
-    Transformers passes a 4-D mask to the attention unchanged. SDPA takes it as booleans (True = attend).
+    Transformers passes a 4-D mask to the attention unchanged. SDPA (and ``tree_attention``'s SDPA with native
+    grouped heads) takes it as booleans (True = attend).
     Eager attention (Gemma 2's and gpt-oss's default) adds it to the scores, so it takes the model's float
     dtype (0 = attend, the dtype's minimum = hidden): booleans there would add 1 and 0 and hide nothing.
     Flash and flex attention take no custom 4-D mask (None).
     """
     implementation = getattr(target.config, "_attn_implementation", None) or "eager"
-    if implementation == "sdpa":
+    if implementation in ("sdpa", NATIVE_GQA_SDPA):
         return torch.bool
     if implementation == "eager":
         return target.dtype

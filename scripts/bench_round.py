@@ -145,6 +145,21 @@ def contest_of(variant: str):
         dropmatch.contest_extension = saved
 
 
+@contextlib.contextmanager
+def attention_of(variant: str, target):
+    """A variant named "... attention=sdpa" verifies with transformers' own SDPA, which copies a grouped-head
+    target's keys and values under the tree mask (what ``tree_attention`` avoids); any other as loaded."""
+    loaded = target.config._attn_implementation
+    if not variant.endswith(" attention=sdpa") or loaded == "sdpa":
+        yield
+        return
+    target.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        target.set_attn_implementation(loaded)
+
+
 def round_record(out, timer: RoundTimer) -> dict:
     """Milliseconds per verification round in each section of one generation, its round, tau and tokens/s."""
     rounds = out.rounds - 1  # the prefill is not a verification round
@@ -210,6 +225,9 @@ def main(argv=None) -> int:
     p.add_argument("--contest", nargs="+", default=["compiled"], choices=["compiled", "python"],
                    help="with rows contested: the compiled contest (csrc/dropmatch_contest.cpp, where it builds) "
                         "and/or the Python reference, one variant each, side by side")
+    p.add_argument("--stock-sdpa", action="store_true",
+                   help="also run EAGLE-3 with transformers' own SDPA (keys and values copied per query group under "
+                        "the tree mask), side by side with the engine's native grouped heads (tree_attention)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", action="store_true")
@@ -223,6 +241,8 @@ def main(argv=None) -> int:
         p.error("--protect takes one value, or one per --dropout-p")
     protects = args.protect * len(args.dropout_p) if len(args.protect) == 1 else args.protect
     variants = {"eagle3": dict(dropmatch_k=0)}
+    if args.stock_sdpa:
+        variants["eagle3 attention=sdpa"] = dict(dropmatch_k=0)
     try:
         for dropout_p, protect in zip(args.dropout_p, protects):
             parse_dropout_p(dropout_p), parse_protect(protect)  # bad values: one line before loading
@@ -241,7 +261,7 @@ def main(argv=None) -> int:
                      max_new_tokens=args.max_new_tokens)
         first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])
         for name, kwargs in variants.items():  # warm-up: a setting the engine refuses is refused here, before timing
-            with contest_of(name):
+            with contest_of(name), attention_of(name, model.target):
                 model.generate(first, **{**shape, **kwargs, "max_new_tokens": 16})
     except (LoadError, ResourceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -253,7 +273,7 @@ def main(argv=None) -> int:
     for ids in prompts:
         for name, kwargs in variants.items():
             timer = RoundTimer(model.decoder.device)
-            with contest_of(name):
+            with contest_of(name), attention_of(name, model.target):
                 out = model.generate(ids, **shape, **kwargs, timer=timer)
             per_question[name].append(round_record(out, timer))
             answers[name].append(out.token_ids)
@@ -262,10 +282,14 @@ def main(argv=None) -> int:
         stacked = name.removesuffix(" contest=python").rsplit(" rows=", 1)[0]
         if stacked != name and stacked in answers:
             table[name]["same_tokens_as_all_rows"] = sum(a == b for a, b in zip(answers[name], answers[stacked]))
+    if "eagle3 attention=sdpa" in answers:  # the same tokens through either attention, measured
+        table["eagle3 attention=sdpa"]["same_tokens_as_eagle3"] = sum(
+            a == b for a, b in zip(answers["eagle3 attention=sdpa"], answers["eagle3"]))
     costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [1, 5, 10, 20, 30])
     flips = rescale_flip_share(model, prompts)
     forward = forward_costs(model, prompts[0])
-    result = {"settings": vars(args), "prepacked_linears": model.prepacked, "per_round_ms": table,
+    result = {"settings": vars(args), "prepacked_linears": model.prepacked, "native_gqa": model.native_gqa,
+              "per_round_ms": table,
               "lm_head": costs, "rescale_flips": flips, "target_forward_ms": forward}
     if args.json:
         print(json.dumps(result, indent=2))
@@ -273,11 +297,14 @@ def main(argv=None) -> int:
     print_report(table, costs, f"per verification round, median over {len(questions)} questions ({args.dtype}, "
                  f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads, "
                  f"{model.prepacked} linear layers prepacked, "
-                 f"{model.threaded} on all threads):")
+                 f"{model.threaded} on all threads, attention {model.target.config._attn_implementation}):")
     for name, row in table.items():
         if "same_tokens_as_all_rows" in row:
             print(f"{name}: the same tokens as all rows on {row['same_tokens_as_all_rows']}/{len(questions)} "
                   "questions")
+    if "same_tokens_as_eagle3" in table.get("eagle3 attention=sdpa", {}):
+        print(f"eagle3 attention=sdpa: the same tokens as eagle3 on "
+              f"{table['eagle3 attention=sdpa']['same_tokens_as_eagle3']}/{len(questions)} questions")
     print(f"argmax changed by the 1/(1-p) factor alone (nothing dropped, {args.dtype}), share of "
           f"{flips['positions']} prompt positions: "
           + ", ".join(f"p={p}: {100 * v:.2f}%" for p, v in flips["share"].items()))

@@ -123,11 +123,11 @@ def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, c
                       "--question-file", str(tiny_model_dir / "questions.jsonl"), "--questions", "2",
                       "--max-new-tokens", "12", "--dtype", "float32", "--dropout-p", "0.3", "0.001",
                       "--protect", "0", "--rows", "all", "reachable", "contested", "--contest", "compiled", "python",
-                      "--json"])
+                      "--stock-sdpa", "--json"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     table = report["per_round_ms"]
-    assert set(table) == {"eagle3", "dropmatch K=5 p=0.3 prot=0", "dropmatch K=5 p=0.001 prot=0",
+    assert set(table) == {"eagle3", "eagle3 attention=sdpa", "dropmatch K=5 p=0.3 prot=0", "dropmatch K=5 p=0.001 prot=0",
                           "dropmatch K=5 p=0.3 prot=0 rows=reachable", "dropmatch K=5 p=0.001 prot=0 rows=reachable",
                           "dropmatch K=5 p=0.3 prot=0 rows=contested", "dropmatch K=5 p=0.001 prot=0 rows=contested",
                           "dropmatch K=5 p=0.3 prot=0 rows=contested contest=python",
@@ -140,6 +140,7 @@ def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, c
     python = table["dropmatch K=5 p=0.3 prot=0 rows=contested contest=python"]
     assert python["same_tokens_as_all_rows"] == 2 and python["sample_rows"] == contested["sample_rows"]
     assert table["eagle3"]["sample_rows"] == 0
+    assert report["native_gqa"] and table["eagle3 attention=sdpa"]["same_tokens_as_eagle3"] == 2
     dense, sparse = table["dropmatch K=5 p=0.3 prot=0"], table["dropmatch K=5 p=0.001 prot=0"]
     assert 0 < dense["sample_rows"] <= 5 * 8  # K x nodes with children, of the default 8-node tree
     assert sparse["sample_rows"] < dense["sample_rows"]  # at p=0.001 most samples drop nothing: skipped

@@ -1,0 +1,88 @@
+"""SDPA that keeps grouped-query attention native under the tree mask, for targets on the CPU.
+
+Transformers' own ``sdpa`` attention lets ``scaled_dot_product_attention`` share key/value heads
+(``enable_gqa``) only when no mask is given, and reshapes a single query token so that it needs no copy. A
+tree verification passes its 4-D tree mask over several tokens, so there transformers copies every layer's
+keys and values ``num_key_value_groups`` times (``repeat_kv``) before attending: on SmolLM2 (9 query heads, 3
+key/value heads) 1.2-1.4 ms of a 41-43 ms round on a 2-core CPU, which plain decoding never pays.
+
+``sdpa_native_gqa`` is transformers' ``sdpa`` with that one difference: under a mask, with more than one
+query and grouped heads, it calls ``scaled_dot_product_attention`` with ``enable_gqa=True`` on the cached
+keys and values as they are. PyTorch's CPU kernel reads key/value head ``h // groups`` for query head ``h``,
+the head the copy would have put there, so the outputs are the same bit for bit (tested in fp32 and bf16).
+Everything else (no mask, one query, position biases, soft caps) goes to transformers' own function. It is
+registered with transformers' ``AttentionInterface`` under ``NATIVE_GQA_SDPA`` and set on the model
+(``set_attn_implementation``), not patched into transformers, and only on the CPU: on CUDA a masked
+``enable_gqa`` call falls back to SDPA's math kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NATIVE_GQA_SDPA = "eagle_dropmatch_sdpa"  # the attention implementation's name in transformers' registries
+
+
+def sdpa_native_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-function signature.
+
+    Args:
+        module: the attention layer (``num_key_value_groups`` query heads per key/value head).
+        query: [B, heads, S, hd]; key, value: [B, kv_heads, T, hd].
+        attention_mask: [B or 1, 1, S, T] (bool, True = attend, or additive floats), or None.
+
+    Returns:
+        ([B, S, heads, hd] attention output, None).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups == 1 or attention_mask is None or query.shape[2] == 1 or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    # With a mask transformers passes is_causal=False to the kernel too: the mask says everything.
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)  # [B, heads, S, hd]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_native_gqa() -> None:
+    """Register ``sdpa_native_gqa`` (and transformers' SDPA mask builder, for the masks the model builds
+    itself) under ``NATIVE_GQA_SDPA``; registering again changes nothing."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(NATIVE_GQA_SDPA, sdpa_native_gqa)
+    AttentionMaskInterface.register(NATIVE_GQA_SDPA, sdpa_mask)
+
+
+def grouped_heads(config) -> bool:
+    """Whether the config's attention has fewer key/value heads than query heads."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    return heads is not None and kv_heads is not None and kv_heads < heads
+
+
+def use_native_gqa(target: nn.Module) -> bool:
+    """Switch a CPU target that runs transformers' ``sdpa`` with grouped heads to ``sdpa_native_gqa``.
+
+    Leaves every other target as it is: one with parameters off the CPU, another attention implementation,
+    no grouped heads, or a model that does not take its attention function from ``AttentionInterface``.
+
+    Returns:
+        Whether the target now runs ``sdpa_native_gqa``.
+    """
+    config = target.config
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not grouped_heads(config):
+        return False
+    if any(not p.is_cpu for p in target.parameters()):
+        return False
+    can_set = getattr(target, "_can_set_attn_implementation", None)
+    if can_set is None or not can_set():
+        return False
+    register_native_gqa()
+    target.set_attn_implementation(NATIVE_GQA_SDPA)
+    return config._attn_implementation == NATIVE_GQA_SDPA
