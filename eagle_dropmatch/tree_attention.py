@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NATIVE_GQA_SDPA = "eagle_dropmatch_sdpa"  # the attention implementation's name in transformers' registries
 
@@ -38,7 +41,6 @@ def sdpa_native_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     Returns:
         ([B, S, heads, hd] attention output, None).
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     groups = getattr(module, "num_key_value_groups", 1)
     if (groups == 1 or attention_mask is None or query.shape[2] == 1 or kwargs.get("position_bias") is not None
             or kwargs.get("softcap") is not None):
@@ -53,8 +55,6 @@ def sdpa_native_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 def register_native_gqa() -> None:
     """Register ``sdpa_native_gqa`` (and transformers' SDPA mask builder, for the masks the model builds
     itself) under ``NATIVE_GQA_SDPA``; registering again changes nothing."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     AttentionInterface.register(NATIVE_GQA_SDPA, sdpa_native_gqa)
     AttentionMaskInterface.register(NATIVE_GQA_SDPA, sdpa_mask)
 
