@@ -46,6 +46,7 @@ from script_args import add_model_and_question_args, load_model_and_questions  #
 
 SECTIONS = ("draft", "target", "lm_head", "dropmatch", "bookkeeping")  # per round; "prefill" is left out
 DROPMATCH_SECTIONS = ("lm_head", "dropmatch", "bookkeeping")  # where DropMatch adds work
+STOCK_SDPA = "eagle3 attention=sdpa"  # the --stock-sdpa variant: EAGLE-3 verified with transformers' own SDPA
 
 
 def median_ms(fn, device: torch.device, repeats: int = 40) -> float:
@@ -147,10 +148,10 @@ def contest_of(variant: str):
 
 @contextlib.contextmanager
 def attention_of(variant: str, target):
-    """A variant named "... attention=sdpa" verifies with transformers' own SDPA, which copies a grouped-head
-    target's keys and values under the tree mask (what ``tree_attention`` avoids); any other as loaded."""
+    """The variant ``STOCK_SDPA`` verifies with transformers' own SDPA, which copies a grouped-head target's keys
+    and values under the tree mask (what ``tree_attention`` avoids); any other as loaded."""
     loaded = target.config._attn_implementation
-    if not variant.endswith(" attention=sdpa") or loaded == "sdpa":
+    if variant != STOCK_SDPA or loaded == "sdpa":
         yield
         return
     target.set_attn_implementation("sdpa")
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
     protects = args.protect * len(args.dropout_p) if len(args.protect) == 1 else args.protect
     variants = {"eagle3": dict(dropmatch_k=0)}
     if args.stock_sdpa:
-        variants["eagle3 attention=sdpa"] = dict(dropmatch_k=0)
+        variants[STOCK_SDPA] = dict(dropmatch_k=0)
     try:
         for dropout_p, protect in zip(args.dropout_p, protects):
             parse_dropout_p(dropout_p), parse_protect(protect)  # bad values: one line before loading
@@ -282,9 +283,8 @@ def main(argv=None) -> int:
         stacked = name.removesuffix(" contest=python").rsplit(" rows=", 1)[0]
         if stacked != name and stacked in answers:
             table[name]["same_tokens_as_all_rows"] = sum(a == b for a, b in zip(answers[name], answers[stacked]))
-    if "eagle3 attention=sdpa" in answers:  # the same tokens through either attention, measured
-        table["eagle3 attention=sdpa"]["same_tokens_as_eagle3"] = sum(
-            a == b for a, b in zip(answers["eagle3 attention=sdpa"], answers["eagle3"]))
+    if STOCK_SDPA in answers:  # the same tokens through either attention, measured
+        table[STOCK_SDPA]["same_tokens_as_eagle3"] = sum(a == b for a, b in zip(answers[STOCK_SDPA], answers["eagle3"]))
     costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [1, 5, 10, 20, 30])
     flips = rescale_flip_share(model, prompts)
     forward = forward_costs(model, prompts[0])
@@ -302,9 +302,9 @@ def main(argv=None) -> int:
         if "same_tokens_as_all_rows" in row:
             print(f"{name}: the same tokens as all rows on {row['same_tokens_as_all_rows']}/{len(questions)} "
                   "questions")
-    if "same_tokens_as_eagle3" in table.get("eagle3 attention=sdpa", {}):
-        print(f"eagle3 attention=sdpa: the same tokens as eagle3 on "
-              f"{table['eagle3 attention=sdpa']['same_tokens_as_eagle3']}/{len(questions)} questions")
+    if STOCK_SDPA in table:
+        print(f"{STOCK_SDPA}: the same tokens as eagle3 on {table[STOCK_SDPA]['same_tokens_as_eagle3']}/"
+              f"{len(questions)} questions")
     print(f"argmax changed by the 1/(1-p) factor alone (nothing dropped, {args.dtype}), share of "
           f"{flips['positions']} prompt positions: "
           + ", ".join(f"p={p}: {100 * v:.2f}%" for p, v in flips["share"].items()))

@@ -127,7 +127,8 @@ def test_bench_round_reports_every_variant_and_the_sample_rows(tiny_model_dir, c
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     table = report["per_round_ms"]
-    assert set(table) == {"eagle3", "eagle3 attention=sdpa", "dropmatch K=5 p=0.3 prot=0", "dropmatch K=5 p=0.001 prot=0",
+    assert set(table) == {"eagle3", "eagle3 attention=sdpa",
+                          "dropmatch K=5 p=0.3 prot=0", "dropmatch K=5 p=0.001 prot=0",
                           "dropmatch K=5 p=0.3 prot=0 rows=reachable", "dropmatch K=5 p=0.001 prot=0 rows=reachable",
                           "dropmatch K=5 p=0.3 prot=0 rows=contested", "dropmatch K=5 p=0.001 prot=0 rows=contested",
                           "dropmatch K=5 p=0.3 prot=0 rows=contested contest=python",

@@ -48,7 +48,8 @@ def test_tree_logits_are_bit_identical_to_transformers_sdpa(dtype):
 def test_the_function_takes_grouped_heads_natively_only_under_a_mask_with_several_queries(monkeypatch):
     calls = []
     from eagle_dropmatch import tree_attention
-    monkeypatch.setattr(tree_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(a[1].shape) or ("stock", None))
+    monkeypatch.setattr(tree_attention, "sdpa_attention_forward",
+                        lambda *a, **k: calls.append(a[1].shape) or ("stock", None))
     module = torch.nn.Module()
     module.num_key_value_groups = 3
     q, kv = torch.randn(1, 6, 4, 8), torch.randn(1, 2, 9, 8)
