@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "beside --question-file)")
     a("--model-id", help="name recorded in the answers (default: derived from the settings)")
     a("--max-new-tokens", type=int, default=512)
-    a("--total-token", type=int, help="tree nodes including the root (N; default 8, or 6 where the linear layers "
-      "run on fbgemm's fp16 kernel, a CPU without native bf16: tuned for 2-core CPUs)")
+    a("--total-token", type=int, help="tree nodes including the root (N; default 6 where the linear layers run "
+      "packed on the CPU, the default for bf16 there: tuned for 2-core CPUs; 8 elsewhere)")
     a("--depth", type=int, default=3, help="draft levels (D)")
     a("--top-k", type=int, default=2, help="children per expanded node (K of the tree)")
     a("--temperature", type=float, default=0.0)

@@ -249,12 +249,16 @@ class EagleModel:
 def default_total_token(kernel: str | None) -> int:
     """Tree nodes N (root included) when none is given, for the kernel the layers run on (``cpu_linear``).
 
-    8 where they run stock or on oneDNN: tuned on 2-core CPUs with native bf16 (README, tree sweeps). 6 on
-    fbgemm's fp16 kernel (CPUs without native bf16): its products take rows in blocks of 6, so a seventh
-    node costs a second pass over every weight (SmolLM2's LM head: 5.0 ms for 6 rows, 9.5 ms for 7), and
-    6/3/2 ran 1.38x plain decoding where 8/3/2 ran 1.12x (README, "On a CPU without native bf16").
+    6 where the layers run on packed weights, 8 where they run stock (a GPU, fp32, ``--cpu-prepack off``).
+    fbgemm's fp16 kernel (CPUs without native bf16) takes rows in blocks of 6, so a seventh node costs a
+    second pass over every weight (SmolLM2's LM head: 5.0 ms for 6 rows, 9.5 ms for 7), and 6/3/2 ran 1.38x
+    plain decoding where 8/3/2 ran 1.12x. On oneDNN's packed bf16 layers a target forward over 6 tokens costs
+    about what one over 1 does and 7 or 8 cost 9-12% more (a 2-core AMD Zen 4), and over all 80 MT-Bench
+    first turns 6/3/2 ran 1.749x plain decoding where 8/3/2 ran 1.684x, with tau 2.031 against 2.097 (stop
+    39; 6/3/2 also led or tied in the sweeps on an AMX Xeon and the first AVX512-BF16 machine). README, "Tree
+    shape" and "On a CPU without native bf16".
     """
-    return 6 if kernel == "fp16" else 8
+    return 6 if kernel in ("fp16", "onednn") else 8
 
 
 def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temperature: float,

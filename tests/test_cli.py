@@ -229,12 +229,12 @@ def meta_of_one_answer(d, answers, flags, capsys) -> dict:
 
 
 def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, capsys):
-    """fbgemm's fp16 kernel (CPUs without native bf16) takes rows in blocks of 6, so a tree of 6 nodes is the
-    default where it runs the layers, 8 elsewhere; a given --total-token wins. The meta records the tree used."""
+    """On packed layers (fbgemm's fp16 kernel, oneDNN's bf16 one) a tree of 6 nodes is the default, 8 on stock
+    layers; a given --total-token wins. The meta records the tree used."""
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.generate import DecodeConfig
     from eagle_dropmatch.loading import default_total_token, load
-    assert default_total_token("fp16") == 6 and default_total_token("onednn") == default_total_token(None) == 8
+    assert default_total_token("fp16") == default_total_token("onednn") == 6 and default_total_token(None) == 8
     d = tiny_model_dir
     here = default_total_token(packing_kernel())  # bf16 packs with this machine's kernel under auto
     for name, flags, nodes in (("fp32", ["--dtype", "float32"], 8), ("bf16", ["--dtype", "bfloat16"], here),
