@@ -258,7 +258,7 @@ def default_total_token(kernel: str | None) -> int:
     39; 6/3/2 also led or tied in the sweeps on an AMX Xeon and the first AVX512-BF16 machine). README, "Tree
     shape" and "On a CPU without native bf16".
     """
-    return 6 if kernel in ("fp16", "onednn") else 8
+    return 8 if kernel is None else 6
 
 
 def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temperature: float,
