@@ -16,7 +16,7 @@ A bf16 ``nn.Linear`` on a CPU hands its weight in the plain [out, in] layout to 
   (SmolLM2's all are), so the products are the model's own; the sums run in another order than the stock
   kernel's, so an output may differ from the stock layer's by a bf16 rounding step. On a 2-core AVX2 Zen 3 a
   tree of 8 rows through SmolLM2's LM head takes about 10 ms instead of 27; the kernel reads the weight once
-  per 6 rows (6 rows 5.0 ms, 7 rows 9.5), hence the smaller default tree there (``loading.default_total_token``;
+  per 6 rows (6 rows 5.0 ms, 7 rows 9.5), hence the smaller default tree there (``loading.default_tree``;
   README, "On a CPU without native bf16").
 
 torch's binding of fbgemm's product runs it as thread 0 of 1: the layer ran on one core while the others

@@ -48,10 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "beside --question-file)")
     a("--model-id", help="name recorded in the answers (default: derived from the settings)")
     a("--max-new-tokens", type=int, default=512)
-    a("--total-token", type=int, help="tree nodes including the root (N; default 6 where the linear layers run "
-      "packed on the CPU, the default for bf16 there: tuned for 2-core CPUs; 8 elsewhere)")
-    a("--depth", type=int, default=3, help="draft levels (D)")
-    a("--top-k", type=int, default=2, help="children per expanded node (K of the tree)")
+    a("--total-token", type=int, help="tree nodes including the root (N of the tree N/D/K, which defaults to "
+      "6/3/3 where the linear layers run packed on the CPU, the default for bf16 there: tuned for 2-core CPUs; "
+      "8/3/2 elsewhere)")
+    a("--depth", type=int, help="draft levels (D; default 3)")
+    a("--top-k", type=int, help="children per expanded node (K of the tree; default 3 on packed layers, 2 elsewhere)")
     a("--temperature", type=float, default=0.0)
     a("--top-p", type=float, default=1.0)
     a("--sample-top-k", type=int, default=0, help="top-k filter when sampling (0 = off)")
@@ -97,15 +98,15 @@ def check_args(args: argparse.Namespace) -> None:
     layers' kernel wants."""
     from .cpu_linear import kernel_for
     from .loading import (LoadError, check_device, check_draft_length, check_rule_shape, check_tree_shape,
-                          default_dropmatch_rows, default_total_token, make_decode_config, resolve_dtype)
+                          default_dropmatch_rows, default_tree, make_decode_config, resolve_dtype)
     from .resources import BENCHES
     try:
         check_device(args.device)
         kernel = kernel_for(args.cpu_prepack, resolve_dtype(args.dtype), args.device)
     except (LoadError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    if args.total_token is None:
-        args.total_token = default_total_token(kernel)
+    args.total_token, args.depth, args.top_k = default_tree(kernel).with_given(args.total_token, args.depth,
+                                                                               args.top_k)
     if args.dropmatch_rows is None:
         args.dropmatch_rows = default_dropmatch_rows(kernel, args.dropmatch_k, args.dropmatch_rule, args.temperature,
                                                      args.dropmatch_shortlist)

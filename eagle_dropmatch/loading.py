@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -149,8 +150,8 @@ class EagleModel:
         draft: a draft causal LM sharing the tokenizer, or None.
         prepacked: how many linear layers run on packed weights (``cpu_linear``; 0 = none).
         kernel: the kernel ``load`` packs with on this CPU ("onednn" or "fp16", ``cpu_linear.kernel_for``),
-            or None (stock layers); a layer it cannot serve exactly stays stock. It sets the default tree size
-            and DropMatch sample rows (``default_total_token``, ``default_dropmatch_rows``), as ``gen`` predicts
+            or None (stock layers); a layer it cannot serve exactly stays stock. It sets the default tree shape
+            and DropMatch sample rows (``default_tree``, ``default_dropmatch_rows``), as ``gen`` predicts
             them before loading from the same ``kernel_for``.
     """
 
@@ -188,24 +189,23 @@ class EagleModel:
         return torch.as_tensor(chat_template_ids(self.tokenizer, messages), dtype=torch.long).reshape(-1)
 
     def generate(self, input_ids, *, max_new_tokens: int = 256, method: str | None = None,
-                 total_token: int | None = None, depth: int = 3, top_k: int = 2, draft_length: int = 5,
-                 temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
+                 total_token: int | None = None, depth: int | None = None, top_k: int | None = None,
+                 draft_length: int = 5, temperature: float = 0.0, top_p: float = 1.0, sample_top_k: int = 0,
                  dropmatch_k: int = 0, dropout_p: float | str = 0.3, dropmatch_protect: int | str = 0,
                  dropmatch_rule: str = "match", rule_top_k: int = 2, dropmatch_shortlist: int = 0,
                  dropmatch_rows: str | None = None, seed: int = 0, baseline: bool = False,
                  timer: RoundTimer | None = None) -> Generation:
         """Generate one turn from prompt ids ([S]); returns tokens and per-round statistics.
 
-        ``method``: "eagle3" (tree N/D/K = total_token/depth/top_k; top_k 1 is chain mode; N by default
-        ``default_total_token`` of the layers' kernel), "sd" (the
-        draft model, chains of ``draft_length``) or "baseline"; default "sd" when a draft model is
-        loaded, else "eagle3". ``dropmatch_rule``: "match", "js" (chains only) or "topk"
-        (``rule_top_k``). ``dropmatch_shortlist`` M > 0 scores the samples over each decision node's M best
-        undropped tokens and the draft tokens (match rule, temperature 0). ``dropmatch_rows`` "reachable"
-        scores the samples level by level, only at nodes reached so far, and "contested" only those under
-        whose mask a child may be the argmax (the same decisions as "all", which stacks every node's samples
-        into one LM-head matmul; match rule, temperature 0); by default ``default_dropmatch_rows`` of the
-        layers' kernel. Every lossy setting is lossy even at temperature 0.
+        ``method``: "eagle3" (tree N/D/K = total_token/depth/top_k; top_k 1 is chain mode; what is not given comes
+        from ``default_tree`` of the layers' kernel), "sd" (the draft model, chains of ``draft_length``) or
+        "baseline"; default "sd" when a draft model is loaded, else "eagle3". ``dropmatch_rule``: "match", "js"
+        (chains only) or "topk" (``rule_top_k``). ``dropmatch_shortlist`` M > 0 scores the samples over each
+        decision node's M best undropped tokens and the draft tokens (match rule, temperature 0). ``dropmatch_rows``
+        "reachable" scores the samples level by level, only at nodes reached so far, and "contested" only those
+        under whose mask a child may be the argmax (the same decisions as "all", which stacks every node's samples
+        into one LM-head matmul; match rule, temperature 0); by default ``default_dropmatch_rows`` of the layers'
+        kernel. Every lossy setting is lossy even at temperature 0.
         """
         if dropmatch_rows is None:
             dropmatch_rows = default_dropmatch_rows(self.kernel, dropmatch_k, dropmatch_rule, temperature,
@@ -222,10 +222,10 @@ class EagleModel:
                                draft_length=draft_length)
         return self.decoder.generate(input_ids, drafter, cfg, timer=timer)
 
-    def drafter(self, method: str, cfg: DecodeConfig, *, total_token: int | None = None, depth: int = 3,
-                top_k: int = 2, draft_length: int = 5) -> Drafter:
-        """The drafter of ``method`` ("eagle3" or "sd") for the settings ``cfg`` (checked); a tree of
-        ``default_total_token`` nodes unless ``total_token`` is given."""
+    def drafter(self, method: str, cfg: DecodeConfig, *, total_token: int | None = None, depth: int | None = None,
+                top_k: int | None = None, draft_length: int = 5) -> Drafter:
+        """The drafter of ``method`` ("eagle3" or "sd") for the settings ``cfg`` (checked); a tree of shape
+        ``default_tree`` of the layers' kernel where ``total_token``, ``depth`` or ``top_k`` is not given."""
         dm = cfg.dropmatch
         sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, sample_top_k=cfg.sample_top_k)
         if method == "sd":
@@ -239,26 +239,40 @@ class EagleModel:
             raise LoadError(f"unknown method {method!r}; choose eagle3, sd or baseline")
         if self.head is None:
             raise LoadError("no EAGLE-3 head is loaded; pass ea_model_path or use baseline=True")
-        total_token = default_total_token(self.kernel) if total_token is None else total_token
+        total_token, depth, top_k = default_tree(self.kernel).with_given(total_token, depth, top_k)
         check_tree_shape(total_token, depth, top_k)
         check_rule_shape(dm.rule, top_k)
         return Eagle3Drafter(self.head, total_token, depth, top_k, draft_probs=dm.active and dm.rule == "js",
                              **sampling)
 
 
-def default_total_token(kernel: str | None) -> int:
-    """Tree nodes N (root included) when none is given, for the kernel the layers run on (``cpu_linear``).
+class TreeShape(NamedTuple):
+    """An EAGLE-3 tree: N nodes (root included) chosen from D draft levels of K children per expanded node."""
 
-    6 where the layers run on packed weights, 8 where they run stock (a GPU, fp32, ``--cpu-prepack off``).
-    fbgemm's fp16 kernel (CPUs without native bf16) takes rows in blocks of 6, so a seventh node costs a
-    second pass over every weight (SmolLM2's LM head: 5.0 ms for 6 rows, 9.5 ms for 7), and 6/3/2 ran 1.38x
-    plain decoding where 8/3/2 ran 1.12x. On oneDNN's packed bf16 layers a target forward over 6 tokens costs
-    about what one over 1 does and 7 or 8 cost 9-12% more (a 2-core AMD Zen 4), and over all 80 MT-Bench
-    first turns 6/3/2 ran 1.749x plain decoding where 8/3/2 ran 1.684x, with tau 2.031 against 2.097 (stop
-    39; 6/3/2 also led or tied in the sweeps on an AMX Xeon and the first AVX512-BF16 machine). README, "Tree
-    shape" and "On a CPU without native bf16".
+    total_token: int
+    depth: int
+    top_k: int
+
+    def with_given(self, total_token: int | None, depth: int | None, top_k: int | None) -> TreeShape:
+        """This shape with the values that are given (not None) in place of its own."""
+        return TreeShape(self.total_token if total_token is None else total_token,
+                         self.depth if depth is None else depth, self.top_k if top_k is None else top_k)
+
+
+def default_tree(kernel: str | None) -> TreeShape:
+    """The tree N/D/K when none is given, for the kernel the layers run on (``cpu_linear``).
+
+    6/3/3 where the layers run on packed weights, 8/3/2 where they run stock (a GPU, fp32, ``--cpu-prepack
+    off``). N: fbgemm's fp16 kernel (CPUs without native bf16) takes rows in blocks of 6, so a seventh node
+    costs a second pass over every weight (SmolLM2's LM head: 5.0 ms for 6 rows, 9.5 ms for 7), and 6/3/2 ran
+    1.38x plain decoding where 8/3/2 ran 1.12x. On oneDNN's packed bf16 layers a target forward over 6 tokens
+    costs about what one over 1 does and 7 or 8 cost 9-12% more (a 2-core AMD Zen 4), and over all 80 MT-Bench
+    first turns 6/3/2 ran 1.749x plain decoding where 8/3/2 ran 1.684x (stop 39). K: the same 6 nodes chosen
+    from 3 children per node instead of 2 cost the same target forward and raise tau 2.031 -> 2.098; 6/3/3 ran
+    1.029x and 1.031x 6/3/2's tokens/s in two 80-question runs, where 7/3/3 and 8/3/3 ran 1.003x and 0.994x
+    (stop 40; on fbgemm's kernel, 24 questions: 1.023x). README, "Tree shape" and "On a CPU without native bf16".
     """
-    return 8 if kernel is None else 6
+    return TreeShape(8, 3, 2) if kernel is None else TreeShape(6, 3, 3)
 
 
 def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temperature: float,

@@ -40,7 +40,7 @@ from eagle_dropmatch.acceptance import first_argmax  # noqa: E402
 from eagle_dropmatch import dropmatch  # noqa: E402
 from eagle_dropmatch.dropmatch import dropout_masks  # noqa: E402
 from eagle_dropmatch.generate import RoundTimer  # noqa: E402
-from eagle_dropmatch.loading import LoadError, default_total_token, parse_dropout_p, parse_protect  # noqa: E402
+from eagle_dropmatch.loading import LoadError, default_tree, parse_dropout_p, parse_protect  # noqa: E402
 from eagle_dropmatch.resources import ResourceError  # noqa: E402
 from script_args import add_model_and_question_args, load_model_and_questions  # noqa: E402
 
@@ -209,8 +209,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_and_question_args(p, questions=8, max_new_tokens=128)
     p.add_argument("--total-token", type=int, help="tree nodes N (default: the engine's for the layers' kernel)")
-    p.add_argument("--depth", type=int, default=3)
-    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--depth", type=int, help="default: the engine's for the layers' kernel")
+    p.add_argument("--top-k", type=int, help="default: the engine's for the layers' kernel")
     p.add_argument("--dropmatch-k", type=int, default=5)
     p.add_argument("--dropout-p", nargs="+", default=["0.3"], help="probabilities or auto[:RATE], one variant each")
     p.add_argument("--protect", nargs="+", default=["0"],
@@ -256,8 +256,8 @@ def main(argv=None) -> int:
                         suffix = " contest=python" if contest == "python" else ""
                         variants[label + suffix] = dict(base, dropmatch_shortlist=m, dropmatch_rows=rows)
         model, questions = load_model_and_questions(args)
-        if args.total_token is None:
-            args.total_token = default_total_token(model.kernel)
+        args.total_token, args.depth, args.top_k = default_tree(model.kernel).with_given(
+            args.total_token, args.depth, args.top_k)
         shape = dict(total_token=args.total_token, depth=args.depth, top_k=args.top_k,
                      max_new_tokens=args.max_new_tokens)
         first = model.chat_ids([{"role": "user", "content": questions[0]["turns"][0]}])

@@ -229,22 +229,29 @@ def meta_of_one_answer(d, answers, flags, capsys) -> dict:
 
 
 def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, capsys):
-    """On packed layers (fbgemm's fp16 kernel, oneDNN's bf16 one) a tree of 6 nodes is the default, 8 on stock
-    layers; a given --total-token wins. The meta records the tree used."""
+    """On packed layers (fbgemm's fp16 kernel, oneDNN's bf16 one) the default tree is 6/3/3, 8/3/2 on stock
+    layers; each of N, D and K that is given wins alone. The meta records the tree used."""
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.generate import DecodeConfig
-    from eagle_dropmatch.loading import default_total_token, load
-    assert default_total_token("fp16") == default_total_token("onednn") == 6 and default_total_token(None) == 8
+    from eagle_dropmatch.loading import default_tree, load
+    assert default_tree("fp16") == default_tree("onednn") == (6, 3, 3) and default_tree(None) == (8, 3, 2)
     d = tiny_model_dir
-    here = default_total_token(packing_kernel())  # bf16 packs with this machine's kernel under auto
-    for name, flags, nodes in (("fp32", ["--dtype", "float32"], 8), ("bf16", ["--dtype", "bfloat16"], here),
-                               ("bf16-stock", ["--dtype", "bfloat16", "--cpu-prepack", "off"], 8),
-                               ("bf16-n5", ["--dtype", "bfloat16", "--total-token", "5"], 5)):
-        assert meta_of_one_answer(d, tmp_path / f"{name}.jsonl", flags, capsys)["total_token"] == nodes, name
+    here = tuple(default_tree(packing_kernel()))  # bf16 packs with this machine's kernel under auto
+    for name, flags, shape in (("fp32", ["--dtype", "float32"], (8, 3, 2)),
+                               ("bf16", ["--dtype", "bfloat16"], here),
+                               ("bf16-stock", ["--dtype", "bfloat16", "--cpu-prepack", "off"], (8, 3, 2)),
+                               ("bf16-n5", ["--dtype", "bfloat16", "--total-token", "5"], (5, *here[1:])),
+                               ("fp32-k4", ["--dtype", "float32", "--top-k", "4"], (8, 3, 4)),
+                               ("bf16-d2", ["--dtype", "bfloat16", "--depth", "2"], (here[0], 2, here[2]))):
+        meta = meta_of_one_answer(d, tmp_path / f"{name}.jsonl", flags, capsys)
+        assert (meta["total_token"], meta["depth"], meta["top_k"]) == shape, name
     model = load(d / "target", d / "head", dtype="bfloat16")
     assert model.kernel == (packing_kernel() if model.prepacked else None)
-    assert model.drafter("eagle3", DecodeConfig()).max_nodes == default_total_token(model.kernel)
-    assert model.drafter("eagle3", DecodeConfig(), total_token=4).max_nodes == 4
+    tree = default_tree(model.kernel)
+    drafter = model.drafter("eagle3", DecodeConfig())
+    assert (drafter.max_nodes, drafter.depth, drafter.top_k) == tuple(tree)
+    drafter = model.drafter("eagle3", DecodeConfig(), total_token=4, top_k=1)
+    assert (drafter.max_nodes, drafter.depth, drafter.top_k) == (4, tree.depth, 1)
 
 
 def test_dropmatch_scores_contested_rows_by_default_on_the_packed_kernels(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from eagle_dropmatch import cpu_linear
 from eagle_dropmatch.cpu_linear import (PrepackedLinear, fbgemm_fp16_works, fp16_exact, onednn_packs_bf16,
                                         packed_matches, prepack_linears, prepack_wanted)
-from eagle_dropmatch.loading import LoadError, load
+from eagle_dropmatch.loading import LoadError, default_tree, load
 
 from conftest import tiny_target
 
@@ -328,7 +328,7 @@ def test_a_onednn_packed_model_decodes_the_same_tokens(tiny_model_dir, monkeypat
     assert packed.prepacked > 0 and stock.prepacked == 0
     assert type(stock.target.lm_head) is nn.Linear
     prompt = packed.chat_ids([{"role": "user", "content": "Say something long."}])
-    tree = {"total_token": 6}  # packed layers default to 6 nodes, stock ones to 8: compare one tree
+    tree = default_tree("onednn")._asdict()  # packed and stock layers default to other trees: compare one
     for settings in ({"baseline": True}, tree, {"dropmatch_k": 5, "dropout_p": 0.3, **tree},
                      {"temperature": 0.8, "seed": 3, **tree}):
         a, b = packed.generate(prompt, max_new_tokens=24, **settings), stock.generate(prompt, max_new_tokens=24, **settings)
