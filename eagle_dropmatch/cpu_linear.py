@@ -1,23 +1,31 @@
 """Linear layers on weights packed once, for bf16 decoding on a CPU.
 
 A bf16 ``nn.Linear`` on a CPU hands its weight in the plain [out, in] layout to a bf16 product at every call.
-``load`` packs each weight once instead, with the kernel that suits the CPU (``packing_kernel``):
+``load`` packs each weight once instead, with the kernel that suits the CPU (``packing_kernel``), or the one
+``--cpu-prepack onednn|fp16`` names:
 
-- ``"onednn"``, on a CPU with native bf16 (AVX512-BF16 or AMX): the weight reordered into oneDNN's blocked
-  layout (``torch.ops.mkldnn._reorder_linear_weight``) and applied with ``torch.ops.mkldnn._linear_pointwise``
-  (the pair torch's own CPU compiler emits for frozen linears). The same oneDNN arithmetic as the stock
-  layer, bit for bit, faster: SmolLM2-135M's LM head (49152 x 576) serves 1 or 8 rows in 1.2-1.3 ms
-  instead of 1.8-2.3 ms on an AVX512-BF16 CPU, and the small projections of every layer gain 23-45%.
-- ``"fp16"``, on a CPU without native bf16 (AVX2 only: most laptops' Intel cores, AMD before Zen 4), where
-  torch computes a bf16 product of more than one row element by element and oneDNN refuses to pack bf16: the
-  weight is packed as fp16 for fbgemm (``torch.ops.aten.fbgemm_pack_gemm_matrix_fp16``) and applied with
-  ``fbgemm_linear_fp16_weight``, which reads the fp16 weight (as many bytes as bf16) and multiplies and adds
-  in fp32. A target's layer is packed only where every bf16 value of its weight is exactly an fp16 value
-  (SmolLM2's all are), so the products are the model's own; the sums run in another order than the stock
-  kernel's, so an output may differ from the stock layer's by a bf16 rounding step. On a 2-core AVX2 Zen 3 a
-  tree of 8 rows through SmolLM2's LM head takes about 10 ms instead of 27; the kernel reads the weight once
-  per 6 rows (6 rows 5.0 ms, 7 rows 9.5), hence the smaller default tree there (``loading.default_tree``;
-  README, "On a CPU without native bf16").
+- ``"onednn"``: the weight reordered into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``)
+  and applied with ``torch.ops.mkldnn._linear_pointwise`` (the pair torch's own CPU compiler emits for frozen
+  linears). The same oneDNN arithmetic as the stock layer, bit for bit, faster: SmolLM2-135M's LM head
+  (49152 x 576) serves 1 or 8 rows in 1.2-1.3 ms instead of 1.8-2.3 ms on an AVX512-BF16 CPU, and the small
+  projections of every layer gain 23-45%. oneDNN packs bf16 only on a CPU with native bf16 (AVX512-BF16 or
+  AMX). ``auto`` picks it on a CPU with AMX tiles (not measured here), and on one with AVX512-BF16 where
+  ``fp16_extension`` is missing.
+- ``"fp16"``: the weight packed as fp16 for fbgemm (``torch.ops.aten.fbgemm_pack_gemm_matrix_fp16``) and
+  applied with ``fbgemm_linear_fp16_weight``, which reads the fp16 weight (as many bytes as bf16) and
+  multiplies and adds in fp32. A target's layer takes it only where every bf16 value of its weight is exactly
+  an fp16 value (SmolLM2's all are), so the products are the model's own; the sums run in another order than
+  the stock kernel's, so an output may differ from the stock layer's by a bf16 rounding step. A layer whose
+  weight is not fp16-exact packs with oneDNN where oneDNN packs bf16, and stays stock elsewhere.
+  ``auto`` picks it on a CPU without native bf16 (AVX2 only: most laptops' Intel cores, AMD before Zen 4),
+  where torch computes a bf16 product of more than one row element by element and oneDNN refuses to pack
+  bf16. On a 2-core AVX2 Zen 3 a tree of 8 rows through SmolLM2's LM head takes about 10 ms instead of 27;
+  the kernel's AVX2 code reads the weight once per 6 rows (6 rows 5.0 ms, 7 rows 9.5), hence the smaller
+  default tree there (``loading.default_tree``; README, "On a CPU without native bf16").
+  ``auto`` also picks it on a CPU with AVX512-BF16 but no AMX (AMD Zen 4) where ``fp16_extension`` runs:
+  there oneDNN streams the weights of a one-row product at about half fbgemm's rate. On a 2-core Zen 4,
+  SmolLM2's target forward over 1 token took 17.8 ms instead of 28.1 (plain decoding 43-45 tok/s instead of
+  31), and over 6 tokens 26.6 ms instead of 28.0 (stop 41; README, "Which kernel").
 
 torch's binding of fbgemm's product runs it as thread 0 of 1: the layer ran on one core while the others
 waited. ``fp16_extension`` builds (once per machine, with torch's C++ extension loader: about a minute) a small
@@ -50,7 +58,7 @@ import torch.nn.functional as F
 
 from .extensions import load_extension
 
-PREPACK_MODES = ("auto", "on", "off")
+PREPACK_MODES = ("auto", "on", "off", "onednn", "fp16")
 KERNELS = ("onednn", "fp16")
 
 
@@ -136,20 +144,35 @@ def stderr_silenced():
 
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot products (AVX512-BF16 or AMX)."""
-    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(check is not None and check() for check in checks)
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return amx_tiles() or (check is not None and check())
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return check is not None and check()
 
 
 @functools.cache
 def packing_kernel() -> str | None:
-    """The kernel that serves packed bf16 weights on this CPU: "onednn" where the CPU has native bf16 and
-    oneDNN packs bf16, else "fp16" where fbgemm's fp16-weight product runs, else None. (A fact of the
-    machine and the torch build, probed once per process.)"""
-    if native_bf16() and onednn_packs_bf16():
+    """The kernel that serves packed bf16 weights on this CPU under ``auto`` (a fact of the machine and the
+    torch build, probed once per process): "onednn" on a CPU with AMX tiles, and on one with AVX512-BF16
+    where the multi-threaded fp16 kernel (``fp16_extension``) is missing; else "fp16" where fbgemm's
+    fp16-weight product runs; else "onednn" where oneDNN packs bf16; else None. On a Zen 4 (AVX512-BF16, no
+    AMX) fbgemm's kernel ran SmolLM2's one-token target forward in 17.8 ms against oneDNN's 28.1 (module
+    docstring)."""
+    onednn = native_bf16() and onednn_packs_bf16()
+    if onednn and (amx_tiles() or fp16_extension() is None):
         return "onednn"
     if fbgemm_fp16_works():
         return "fp16"
-    return None
+    return "onednn" if onednn else None
+
+
+def kernel_available(kernel: str) -> bool:
+    """Whether ``kernel`` ("onednn" or "fp16") serves bf16 weights on this CPU with this torch build."""
+    return onednn_packs_bf16() if kernel == "onednn" else fbgemm_fp16_works()
 
 
 def prepack_available() -> bool:
@@ -159,20 +182,26 @@ def prepack_available() -> bool:
 
 def prepack_wanted(mode: str, dtype: torch.dtype, device: str) -> bool:
     """Whether ``load`` packs the linear layers: for a bf16 model on the CPU with "auto" or "on" (with the
-    kernel ``packing_kernel`` picks), never with "off".
+    kernel ``packing_kernel`` picks) or a kernel's name ("onednn", "fp16"), never with "off".
 
     Raises:
-        ValueError: an unknown mode, or "on" where it cannot apply (another dtype or device, or no kernel
-            for this CPU and torch build).
+        ValueError: an unknown mode, or "on" or a kernel's name where it cannot apply (another dtype or
+            device, or that kernel, or any, missing on this CPU and torch build).
     """
     if mode not in PREPACK_MODES:
         raise ValueError(f"cpu-prepack must be one of {', '.join(PREPACK_MODES)}, got {mode!r}")
     if mode == "off":
         return False
     applies = dtype == torch.bfloat16 and str(device) == "cpu"
-    if mode == "on" and not applies:
-        raise ValueError("cpu-prepack on packs bf16 weights on the CPU: use --dtype bfloat16 --device cpu, "
+    if mode != "auto" and not applies:
+        raise ValueError(f"cpu-prepack {mode} packs bf16 weights on the CPU: use --dtype bfloat16 --device cpu, "
                          "or --cpu-prepack auto/off")
+    if mode in KERNELS:
+        if not kernel_available(mode):
+            lacks = "oneDNN's bf16 linear ops" if mode == "onednn" else "fbgemm's fp16 linear ops"
+            raise ValueError(f"cpu-prepack {mode} needs {lacks}, which this CPU or torch build lacks: use "
+                             "--cpu-prepack auto")
+        return True
     available = applies and prepack_available()
     if mode == "on" and not available:
         raise ValueError("cpu-prepack on needs oneDNN's bf16 linear ops or fbgemm's fp16 ones, which this CPU "
@@ -181,9 +210,11 @@ def prepack_wanted(mode: str, dtype: torch.dtype, device: str) -> bool:
 
 
 def kernel_for(mode: str, dtype: torch.dtype, device: str) -> str | None:
-    """The kernel ``load`` packs a model's layers with under these settings, or None (stock layers); the
-    errors of ``prepack_wanted``."""
-    return packing_kernel() if prepack_wanted(mode, dtype, device) else None
+    """The kernel ``load`` packs a model's layers with under these settings (the named one, or
+    ``packing_kernel``'s for "auto" and "on"), or None (stock layers); the errors of ``prepack_wanted``."""
+    if not prepack_wanted(mode, dtype, device):
+        return None
+    return mode if mode in KERNELS else packing_kernel()
 
 
 class PrepackedLinear(nn.Module):
@@ -313,30 +344,36 @@ def prepack_linears(model: nn.Module, kernel: str | None = None, exact: bool = T
     Args:
         model: the module whose layers are swapped.
         kernel: "onednn" or "fp16"; None = ``packing_kernel()`` (no kernel here: nothing is swapped).
-        exact: under "fp16", pack only weights whose every value is an fp16 value (``fp16_exact``), so that
-            the layer computes with the model's own weights: what a target needs. A drafter only proposes
-            tokens the target then verifies, so its weights may round (a trained head's values below 6e-5
-            lose bits as fp16 subnormals): ``exact=False``.
+        exact: under "fp16", pack with fbgemm only weights whose every value is an fp16 value
+            (``fp16_exact``), so that the layer computes with the model's own weights: what a target needs;
+            the others pack with oneDNN where it packs bf16 (the stock outputs) and stay stock elsewhere. A
+            drafter only proposes tokens the target then verifies, so its weights may round (a trained head's
+            values below 6e-5 lose bits as fp16 subnormals): ``exact=False``.
         threads: under "fp16", run the layers on all intra-op threads where ``fp16_extension`` is available
             (``PrepackedLinear``'s ``threads``).
 
-    Each distinct (in, out, bias) shape is checked once (``packed_matches``); a shape whose packed output
+    Each distinct (in, out, bias, kernel) is checked once (``packed_matches``); a shape whose packed output
     differs keeps its stock layers. Returns the number of layers swapped.
     """
     kernel = kernel or packing_kernel()
     if kernel is None:
         return 0
-    swapped, verdicts = 0, {}
+    swapped, verdicts, fallback = 0, {}, None
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
             if child.weight.dtype != torch.bfloat16 or child.weight.device.type != "cpu":
                 continue
+            layer_kernel = kernel
             if kernel == "fp16" and exact and not fp16_exact(child.weight):
-                continue
-            packed = PrepackedLinear(child, kernel, threads=threads)
-            shape = (child.in_features, child.out_features, child.bias is not None)
+                if fallback is None:
+                    fallback = "onednn" if onednn_packs_bf16() else ""
+                if not fallback:
+                    continue
+                layer_kernel = fallback
+            packed = PrepackedLinear(child, layer_kernel, threads=threads)
+            shape = (child.in_features, child.out_features, child.bias is not None, layer_kernel)
             if shape not in verdicts:
                 verdicts[shape] = packed_matches(child, packed)
             if verdicts[shape]:

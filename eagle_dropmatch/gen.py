@@ -85,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--system-prompt", help="system message prepended to every conversation")
     a("--warmup", type=int, default=1, help="warm-up generations before timing (not recorded)")
     a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    a("--cpu-prepack", default="auto", choices=["auto", "on", "off"],  # cpu_linear.PREPACK_MODES; no torch here
-      help="bf16 linear layers on the CPU run on weights packed once (oneDNN's bf16 layout on a CPU with native "
-           "bf16: the same outputs; fbgemm's fp16 weights with fp32 arithmetic elsewhere: the same products, "
-           "summed in another order), faster, the weights held twice (auto, on: pack; off: stock layers)")
+    a("--cpu-prepack", default="auto", choices=["auto", "on", "off", "onednn", "fp16"],  # cpu_linear.PREPACK_MODES
+      help="bf16 linear layers on the CPU run on weights packed once, faster, the weights held twice: onednn "
+           "(oneDNN's bf16 layout, the stock outputs; CPUs with native bf16) or fp16 (fbgemm's fp16 weights with "
+           "fp32 arithmetic: the same products summed in another order). auto and on pick fp16, or onednn on "
+           "CPUs with AMX tiles or where the compiled fp16 kernel cannot be built; off: stock layers")
     a("--no-progress", action="store_true", help="no progress bar")
     return p
 

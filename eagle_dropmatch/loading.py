@@ -259,20 +259,31 @@ class TreeShape(NamedTuple):
                          self.depth if depth is None else depth, self.top_k if top_k is None else top_k)
 
 
-def default_tree(kernel: str | None) -> TreeShape:
-    """The tree N/D/K when none is given, for the kernel the layers run on (``cpu_linear``).
+def default_tree(kernel: str | None, capability: str | None = None) -> TreeShape:
+    """The tree N/D/K when none is given, for the kernel the layers run on (``cpu_linear``) and, for fbgemm's
+    fp16 kernel, the vector instructions torch runs on this CPU (``capability``: "AVX512", "AVX2", ...; None =
+    ``torch.backends.cpu.get_cpu_capability()``).
 
-    6/3/3 where the layers run on packed weights, 8/3/2 where they run stock (a GPU, fp32, ``--cpu-prepack
-    off``). N: fbgemm's fp16 kernel (CPUs without native bf16) takes rows in blocks of 6, so a seventh node
-    costs a second pass over every weight (SmolLM2's LM head: 5.0 ms for 6 rows, 9.5 ms for 7), and 6/3/2 ran
-    1.38x plain decoding where 8/3/2 ran 1.12x. On oneDNN's packed bf16 layers a target forward over 6 tokens
-    costs about what one over 1 does and 7 or 8 cost 9-12% more (a 2-core AMD Zen 4), and over all 80 MT-Bench
-    first turns 6/3/2 ran 1.749x plain decoding where 8/3/2 ran 1.684x (stop 39). K: the same 6 nodes chosen
-    from 3 children per node instead of 2 cost the same target forward and raise tau 2.031 -> 2.098; 6/3/3 ran
-    1.029x and 1.031x 6/3/2's tokens/s in two 80-question runs, where 7/3/3 and 8/3/3 ran 1.003x and 0.994x
-    (stop 40; on fbgemm's kernel, 24 questions: 1.023x). README, "Tree shape" and "On a CPU without native bf16".
+    8/3/2 where the layers run stock (a GPU, fp32, ``--cpu-prepack off``). 6/3/3 on oneDNN's packed bf16
+    layers: a target forward over 6 tokens costs about what one over 1 does and 7 or 8 cost 9-12% more (a 2-core
+    AMD Zen 4); over all 80 MT-Bench first turns 6/3/2 ran 1.749x plain decoding where 8/3/2 ran 1.684x (stop
+    39), and the same 6 nodes chosen from 3 children per node instead of 2 cost the same forward and raise tau
+    2.031 -> 2.098: 6/3/3 ran 1.029x and 1.031x 6/3/2's tokens/s in two 80-question runs, where 7/3/3 and 8/3/3
+    ran 1.003x and 0.994x (stop 40). 6/3/3 on fbgemm's fp16 kernel with AVX2 code (CPUs without native bf16),
+    which takes rows in blocks of 6, so a seventh node costs a second pass over every weight (SmolLM2's LM head:
+    5.0 ms for 6 rows, 9.5 ms for 7; 6/3/2 ran 1.38x plain decoding where 8/3/2 ran 1.12x, a Zen 3). 4/3/3 on
+    fbgemm's fp16 kernel with AVX512 code, whose products are bound by fp32 arithmetic: every row adds about
+    8% to a one-token forward (SmolLM2's target forward, a Zen 4: 17.8 ms for 1 token, 26.6 for 6), so fewer
+    nodes win (stop 41, 40 MT-Bench first turns: 4/3/3 1.037x 6/3/3's tokens/s, 5/3/3 1.009x, 7/3/3 0.957x,
+    8/3/3 0.934x). README, "Tree shape", "Which kernel" and "On a CPU without native bf16".
     """
-    return TreeShape(8, 3, 2) if kernel is None else TreeShape(6, 3, 3)
+    if kernel is None:
+        return TreeShape(8, 3, 2)
+    if kernel == "fp16":
+        capability = capability or torch.backends.cpu.get_cpu_capability()
+        if capability.startswith("AVX512"):
+            return TreeShape(4, 3, 3)
+    return TreeShape(6, 3, 3)
 
 
 def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temperature: float,
@@ -414,11 +425,11 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
         device: "cpu", "cuda[:i]" or "auto" (accelerate device_map).
         require_head: raise when no head can be found.
         progress: print progress when the embedded default is converted the first time.
-        cpu_prepack: "auto", "on" or "off": run the bf16 linear layers of the target, head and draft model
-            on weights packed once for the CPU's kernel (``cpu_linear``: oneDNN's bf16 layout where the CPU
-            has native bf16, the same outputs; fbgemm's fp16 weights with fp32 arithmetic elsewhere; faster,
-            the weights held twice). "auto" packs where a kernel exists and stays stock elsewhere; "on"
-            refuses where none does.
+        cpu_prepack: "auto", "on", "off", "onednn" or "fp16": run the bf16 linear layers of the target, head
+            and draft model on weights packed once (``cpu_linear``: oneDNN's bf16 layout, the same outputs, or
+            fbgemm's fp16 weights with fp32 arithmetic; faster, the weights held twice). "auto" packs with the
+            kernel ``cpu_linear.packing_kernel`` picks for the CPU and stays stock where none exists; "on"
+            refuses where none does; "onednn" and "fp16" name the kernel and refuse where it is missing.
     """
     torch_dtype = resolve_dtype(dtype)
     check_device(device)

@@ -199,6 +199,7 @@ def main(argv=None) -> int:
               "variants": {n: " ".join(shlex.quote(x) for x in args.variant[i].partition("=")[2:])
                            for i, n in enumerate(names)},
               "prepacked_linears": {n: models[n].prepacked for n in names},
+              "kernels": {n: models[n].kernel for n in names},
               "table": table, f"identical_to_{names[0]}": identical,
               "answer_files": {n: str(out_dir / f"{n}.jsonl") for n in names}}
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -206,7 +207,8 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     dtypes = sorted({v.dtype for v in variants.values()})
-    packed = sorted({f"{v.cpu_prepack}: {models[name].prepacked}, {models[name].threaded} on all threads"
+    packed = sorted({f"{v.cpu_prepack} ({models[name].kernel or 'stock'}): {models[name].prepacked}, "
+                     f"{models[name].threaded} on all threads"
                      for name, v in variants.items()})
     print(f"{args.bench or qfile}: {len(questions)} questions x {args.turns} turn(s), {'/'.join(dtypes)}, "
           f"{torch.get_num_threads()} threads, linear layers prepacked ({', '.join(packed)})")

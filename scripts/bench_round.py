@@ -288,7 +288,8 @@ def main(argv=None) -> int:
     costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [1, 5, 10, 20, 30])
     flips = rescale_flip_share(model, prompts)
     forward = forward_costs(model, prompts[0])
-    result = {"settings": vars(args), "prepacked_linears": model.prepacked, "native_gqa": model.native_gqa,
+    result = {"settings": vars(args), "prepacked_linears": model.prepacked, "kernel": model.kernel,
+              "native_gqa": model.native_gqa,
               "per_round_ms": table,
               "lm_head": costs, "rescale_flips": flips, "target_forward_ms": forward}
     if args.json:
@@ -296,7 +297,7 @@ def main(argv=None) -> int:
         return 0
     print_report(table, costs, f"per verification round, median over {len(questions)} questions ({args.dtype}, "
                  f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads, "
-                 f"{model.prepacked} linear layers prepacked, "
+                 f"{model.prepacked} linear layers prepacked ({model.kernel or 'stock'}), "
                  f"{model.threaded} on all threads, attention {model.target.config._attn_implementation}):")
     for name, row in table.items():
         if "same_tokens_as_all_rows" in row:

@@ -130,6 +130,8 @@ BAD_NUMBERS = [
     (["--baseline", "--dropmatch-rule", "topk"], "--baseline (plain decoding, no draft) excludes the lossy rules"),
     (["--threads", "-2"], "threads must be >= 1, got -2"),
     (["--cpu-prepack", "on", "--dtype", "float32"], "cpu-prepack on packs bf16 weights on the CPU"),
+    (["--cpu-prepack", "fp16", "--dtype", "float32"], "cpu-prepack fp16 packs bf16 weights on the CPU"),
+    (["--cpu-prepack", "onednn", "--dtype", "float16"], "cpu-prepack onednn packs bf16 weights on the CPU"),
     (["--device", "tpu"], "unknown device 'tpu': use cpu, cuda, cuda:N or auto"),
     (["--conv-template", "no-such-template"], "unknown fschat conversation template 'no-such-template'"),
     (["--bench", "nope"], "unknown bench 'nope'; choose one of mt_bench"),  # even beside a --question-file
@@ -229,12 +231,14 @@ def meta_of_one_answer(d, answers, flags, capsys) -> dict:
 
 
 def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, capsys):
-    """On packed layers (fbgemm's fp16 kernel, oneDNN's bf16 one) the default tree is 6/3/3, 8/3/2 on stock
-    layers; each of N, D and K that is given wins alone. The meta records the tree used."""
+    """On oneDNN's packed bf16 layers and fbgemm's fp16 ones with AVX2 code the default tree is 6/3/3, on
+    fbgemm's with AVX512 code 4/3/3, on stock layers 8/3/2; each of N, D and K that is given wins alone. The
+    meta records the tree used."""
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.generate import DecodeConfig
     from eagle_dropmatch.loading import default_tree, load
-    assert default_tree("fp16") == default_tree("onednn") == (6, 3, 3) and default_tree(None) == (8, 3, 2)
+    assert default_tree("fp16", "AVX2") == default_tree("onednn") == default_tree("onednn", "AVX512") == (6, 3, 3)
+    assert default_tree("fp16", "AVX512") == (4, 3, 3) and default_tree(None) == default_tree(None, "AVX2") == (8, 3, 2)
     d = tiny_model_dir
     here = tuple(default_tree(packing_kernel()))  # bf16 packs with this machine's kernel under auto
     for name, flags, shape in (("fp32", ["--dtype", "float32"], (8, 3, 2)),

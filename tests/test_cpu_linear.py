@@ -258,18 +258,29 @@ def test_a_shape_whose_packed_output_differs_keeps_its_stock_layers(monkeypatch,
 
 
 @fp16
-def test_fp16_packing_keeps_a_target_weight_that_is_not_all_fp16_values_stock():
+@pytest.mark.parametrize("onednn_here", [False, pytest.param(True, marks=onednn)])
+def test_fp16_packing_leaves_a_target_weight_that_is_not_all_fp16_values_to_onednn_or_stock(onednn_here,
+                                                                                          monkeypatch):
     """A target computes with its own weights: a layer with a value fp16 cannot hold (here one below fp16's
-    normal range, which loses bits as a subnormal) stays stock unless ``exact=False`` (drafters)."""
+    normal range, which loses bits as a subnormal) packs with oneDNN where oneDNN packs bf16 (the stock
+    outputs) and stays stock elsewhere, unless ``exact=False`` (drafters)."""
+    monkeypatch.setattr(cpu_linear, "onednn_packs_bf16", lambda: onednn_here)
     target = fp16_valued(tiny_target())
     with torch.no_grad():
         target.model.layers[0].mlp.up_proj.weight[0, 0] = 3.3e-6
     assert fp16_exact(target.model.layers[1].mlp.up_proj.weight)
     assert not fp16_exact(target.model.layers[0].mlp.up_proj.weight)
     stock = sum(type(m) is nn.Linear for m in target.modules())
-    assert prepack_linears(target, "fp16") == stock - 1 and type(target.model.layers[0].mlp.up_proj) is nn.Linear
-    assert prepack_linears(target, "fp16", exact=False) == 1
-    assert type(target.model.layers[0].mlp.up_proj) is PrepackedLinear
+    odd = lambda: target.model.layers[0].mlp.up_proj  # noqa: E731
+    if onednn_here:
+        assert prepack_linears(target, "fp16") == stock and odd().kernel == "onednn"
+        assert {m.kernel for m in target.modules() if type(m) is PrepackedLinear} == {"onednn", "fp16"}
+        x = torch.randn(3, odd().in_features).to(torch.bfloat16)
+        assert torch.equal(odd()(x), F.linear(x, odd().weight))  # oneDNN: the stock output
+    else:
+        assert prepack_linears(target, "fp16") == stock - 1 and type(odd()) is nn.Linear
+        assert prepack_linears(target, "fp16", exact=False) == 1
+        assert type(odd()) is PrepackedLinear and odd().kernel == "fp16"
 
 
 def test_prepack_wanted_by_mode(monkeypatch):
@@ -281,7 +292,7 @@ def test_prepack_wanted_by_mode(monkeypatch):
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda"), (torch.bfloat16, "auto")):
         with pytest.raises(ValueError, match="cpu-prepack on packs bf16 weights on the CPU"):
             prepack_wanted("on", dtype, device)
-    with pytest.raises(ValueError, match="cpu-prepack must be one of auto, on, off"):
+    with pytest.raises(ValueError, match="cpu-prepack must be one of auto, on, off, onednn, fp16"):
         prepack_wanted("always", torch.bfloat16, "cpu")
     from eagle_dropmatch import gen
     choices = next(a.choices for a in gen.build_parser()._actions if a.dest == "cpu_prepack")
@@ -293,14 +304,49 @@ def test_prepack_wanted_by_mode(monkeypatch):
 
 
 def test_the_kernel_probe_says_what_this_cpu_packs():
-    """oneDNN's bf16 packing where the CPU has native bf16 and oneDNN packs bf16, fbgemm's fp16 packing where
-    it runs, nothing else; each probe answers without raising."""
+    """Each probe answers without raising, and the kernel auto picks is one this CPU runs."""
     kernel = cpu_linear.packing_kernel()
     assert kernel in (*cpu_linear.KERNELS, None)
-    if cpu_linear.native_bf16() and onednn_packs_bf16():
-        assert kernel == "onednn"
-    else:
-        assert kernel == ("fp16" if fbgemm_fp16_works() else None)
+    assert (kernel is None) == (not onednn_packs_bf16() and not fbgemm_fp16_works())
+    assert kernel is None or cpu_linear.kernel_available(kernel)
+
+
+@pytest.mark.parametrize("amx,avx512_bf16,onednn_packs,extension,fbgemm,expected", [
+    (True, True, True, True, True, "onednn"),      # AMX tiles: oneDNN
+    (False, True, True, True, True, "fp16"),       # AVX512-BF16 without AMX (Zen 4), compiled fp16 kernel: fbgemm
+    (False, True, True, False, True, "onednn"),    # ... without the compiled kernel (fbgemm on one thread): oneDNN
+    (False, False, False, True, True, "fp16"),     # AVX2 only: fbgemm
+    (False, False, False, False, True, "fp16"),    # ... even on one thread
+    (False, True, True, True, False, "onednn"),    # a torch without fbgemm
+    (False, False, False, False, False, None),     # nothing packs
+])
+def test_auto_picks_the_kernel_by_what_the_cpu_has(amx, avx512_bf16, onednn_packs, extension, fbgemm, expected,
+                                                   monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(cpu_linear, "onednn_packs_bf16", lambda: onednn_packs)
+    monkeypatch.setattr(cpu_linear, "fp16_extension", lambda: object() if extension else None)
+    monkeypatch.setattr(cpu_linear, "fbgemm_fp16_works", lambda: fbgemm)
+    cpu_linear.packing_kernel.cache_clear()
+    try:
+        assert cpu_linear.packing_kernel() == expected
+        assert cpu_linear.kernel_for("auto", torch.bfloat16, "cpu") == expected
+    finally:
+        cpu_linear.packing_kernel.cache_clear()  # the next caller probes this machine again
+
+
+@pytest.mark.parametrize("kernel", cpu_linear.KERNELS)
+def test_a_named_kernel_packs_with_that_kernel_or_says_in_one_line_why_not(kernel, monkeypatch):
+    for available in (True, False):
+        monkeypatch.setattr(cpu_linear, "kernel_available", lambda name: available and name == kernel)
+        if available:
+            assert cpu_linear.kernel_for(kernel, torch.bfloat16, "cpu") == kernel
+        else:
+            with pytest.raises(ValueError, match=f"cpu-prepack {kernel} needs .* which this CPU or torch build lacks"):
+                cpu_linear.kernel_for(kernel, torch.bfloat16, "cpu")
+        for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda")):
+            with pytest.raises(ValueError, match=f"cpu-prepack {kernel} packs bf16 weights on the CPU"):
+                cpu_linear.kernel_for(kernel, dtype, device)
 
 
 @pytest.fixture
@@ -364,3 +410,19 @@ def test_an_fp16_packed_model_decodes_as_the_engine_promises(fp16_model_dir, mon
 def test_load_refuses_prepacking_an_fp32_model_in_one_line(tiny_model_dir):
     with pytest.raises(LoadError, match="cpu-prepack on packs bf16 weights on the CPU"):
         load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32", cpu_prepack="on")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_load_packs_with_the_kernel_named(fp16_model_dir, kernel):
+    """``cpu_prepack="onednn"`` or ``"fp16"`` packs target and head with that kernel whatever auto would pick
+    here, sets the model's kernel (and so its default tree) to it, and decodes as the stock layers do."""
+    d = fp16_model_dir
+    model = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack=kernel)
+    layers = [m for m in (*model.target.modules(), *model.head.modules()) if type(m) is PrepackedLinear]
+    assert model.kernel == kernel and len(layers) == model.prepacked > 0 and {m.kernel for m in layers} == {kernel}
+    stock = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack="off")
+    prompt = model.chat_ids([{"role": "user", "content": "Say something long."}])
+    ours, theirs = (m.generate(prompt, max_new_tokens=16, baseline=True) for m in (model, stock))
+    assert len(ours.token_ids) > 0
+    if kernel == "onednn":  # the stock arithmetic, bit for bit
+        assert ours.token_ids == theirs.token_ids
