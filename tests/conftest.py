@@ -191,3 +191,11 @@ def tiny_draft_dir(tiny_model_dir) -> Path:
     draft.save_pretrained(str(root / "draft_other_tok"))
     char_tokenizer(CHARS[::-1]).save_pretrained(str(root / "draft_other_tok"))
     return root
+
+
+def pytest_sessionstart(session):
+    """Probe the kernel ``--cpu-prepack auto`` picks once, before any test: on a CPU where it is fbgemm's,
+    the probe builds the compiled fp16 module on a fresh machine (one line on stderr, about a minute), which
+    must not land in the stderr a test checks."""
+    from eagle_dropmatch.cpu_linear import packing_kernel
+    packing_kernel()
