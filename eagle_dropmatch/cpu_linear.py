@@ -358,7 +358,8 @@ def prepack_linears(model: nn.Module, kernel: str | None = None, exact: bool = T
     kernel = kernel or packing_kernel()
     if kernel is None:
         return 0
-    swapped, verdicts, fallback = 0, {}, None
+    fallback = "onednn" if kernel == "fp16" and exact and onednn_packs_bf16() else None  # for non-fp16 weights
+    swapped, verdicts = 0, {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
@@ -368,8 +369,6 @@ def prepack_linears(model: nn.Module, kernel: str | None = None, exact: bool = T
             layer_kernel = kernel
             if kernel == "fp16" and exact and not fp16_exact(child.weight):
                 if fallback is None:
-                    fallback = "onednn" if onednn_packs_bf16() else ""
-                if not fallback:
                     continue
                 layer_kernel = fallback
             packed = PrepackedLinear(child, layer_kernel, threads=threads)
