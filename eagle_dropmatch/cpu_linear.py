@@ -105,7 +105,8 @@ def fp16_extension():
     if not fbgemm_fp16_works():
         return None
     return load_extension(EXTENSION_NAME, "fp16_linear.cpp", "the multi-threaded fp16 kernel",
-                          "using torch's one-thread binding", ("-O3", "-fopenmp"), ("-fopenmp",),
+                          "fp16 layers use torch's one-thread binding, and --cpu-prepack auto packs for "
+                          "oneDNN where this CPU has native bf16", ("-O3", "-fopenmp"), ("-fopenmp",),
                           switch="EAGLE_DROPMATCH_FP16_EXTENSION", check=extension_matches_binding,
                           reference="torch's binding")
 

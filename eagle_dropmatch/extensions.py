@@ -59,7 +59,7 @@ def load_extension(name: str, source: str, what: str, instead: str, extra_cflags
         name: the module's name (and its build folder's).
         source: the C++ file under ``csrc/``.
         what: what it is, for the lines on stderr ("the multi-threaded fp16 kernel").
-        instead: what runs where it is not used ("using torch's one-thread binding").
+        instead: what runs where it is not used ("fp16 layers use torch's one-thread binding, ...").
         extra_cflags, extra_ldflags: compiler and linker flags.
         vectorized: also compile for this CPU's vector instructions (``vector_flags``), in a folder of its own.
         switch: an environment variable that turns the module off when set to 0.

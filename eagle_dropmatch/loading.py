@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cpu_linear import kernel_for, prepack_linears, threaded_layers
+from .cpu_linear import amx_tiles, kernel_for, prepack_linears, threaded_layers
 from .draft_model import DraftModelError, ModelDrafter, check_tokenizers
 from .drafters import Drafter, Eagle3Drafter
 from .dropmatch import DropMatchConfig, check_sample_rows, check_shortlist
@@ -259,10 +259,11 @@ class TreeShape(NamedTuple):
                          self.depth if depth is None else depth, self.top_k if top_k is None else top_k)
 
 
-def default_tree(kernel: str | None, capability: str | None = None) -> TreeShape:
-    """The tree N/D/K when none is given, for the kernel the layers run on (``cpu_linear``) and, for fbgemm's
-    fp16 kernel, the vector instructions torch runs on this CPU (``capability``: "AVX512", "AVX2", ...; None =
-    ``torch.backends.cpu.get_cpu_capability()``).
+def default_tree(kernel: str | None, capability: str | None = None, amx: bool | None = None) -> TreeShape:
+    """The tree N/D/K when none is given, for the kernel the layers run on (``cpu_linear``), for fbgemm's
+    fp16 kernel the vector instructions torch runs on this CPU (``capability``: "AVX512", "AVX2", ...; None =
+    ``torch.backends.cpu.get_cpu_capability()``), and for oneDNN's whether the CPU has AMX tiles (``amx``;
+    None = ``cpu_linear.amx_tiles()``).
 
     8/3/2 where the layers run stock (a GPU, fp32, ``--cpu-prepack off``). 6/3/3 on oneDNN's packed bf16
     layers: a target forward over 6 tokens costs about what one over 1 does and 7 or 8 cost 9-12% more (a 2-core
@@ -275,7 +276,11 @@ def default_tree(kernel: str | None, capability: str | None = None) -> TreeShape
     fbgemm's fp16 kernel with AVX512 code, whose products are bound by fp32 arithmetic: every row adds about
     8% to a one-token forward (SmolLM2's target forward, a Zen 4: 17.8 ms for 1 token, 26.6 for 6), so fewer
     nodes win (stop 41, 40 MT-Bench first turns: 4/3/3 1.037x 6/3/3's tokens/s, 5/3/3 1.009x, 7/3/3 0.957x,
-    8/3/3 0.934x). README, "Tree shape", "Which kernel" and "On a CPU without native bf16".
+    8/3/3 0.934x). 10/3/3 on oneDNN with AMX tiles, whose products take tiles of 16 rows: a target forward
+    over 12 tokens cost what one over 4 does and 1.11x one over 1 (SmolLM2, an Intel Xeon, stop 42), and
+    10/3/3 ran 1.050x and 1.053x 6/3/3's tokens/s on MT-Bench first turns 0-30 and 30-80, where 12/3/3,
+    16/3/4, 16/4/4 and 20/4/4 gave 0.93-1.06x. README, "Tree shape", "Which kernel", "On an Intel Xeon with
+    AMX" and "On a CPU without native bf16".
     """
     if kernel is None:
         return TreeShape(8, 3, 2)
@@ -283,6 +288,8 @@ def default_tree(kernel: str | None, capability: str | None = None) -> TreeShape
         capability = capability or torch.backends.cpu.get_cpu_capability()
         if capability.startswith("AVX512"):
             return TreeShape(4, 3, 3)
+    elif kernel == "onednn" and (amx_tiles() if amx is None else amx):
+        return TreeShape(10, 3, 3)
     return TreeShape(6, 3, 3)
 
 

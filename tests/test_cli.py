@@ -230,15 +230,23 @@ def meta_of_one_answer(d, answers, flags, capsys) -> dict:
     return json.loads(answers.with_name(answers.name + ".meta.json").read_text())
 
 
-def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, capsys):
-    """On oneDNN's packed bf16 layers and fbgemm's fp16 ones with AVX2 code the default tree is 6/3/3, on
-    fbgemm's with AVX512 code 4/3/3, on stock layers 8/3/2; each of N, D and K that is given wins alone. The
-    meta records the tree used."""
+def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """On oneDNN's packed bf16 layers without AMX and fbgemm's fp16 ones with AVX2 code the default tree is
+    6/3/3, on oneDNN's with AMX 10/3/3, on fbgemm's with AVX512 code 4/3/3 (AMX or not), on stock layers 8/3/2;
+    each of N, D and K that is given wins alone. The meta records the tree used."""
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.generate import DecodeConfig
     from eagle_dropmatch.loading import default_tree, load
-    assert default_tree("fp16", "AVX2") == default_tree("onednn") == default_tree("onednn", "AVX512") == (6, 3, 3)
-    assert default_tree("fp16", "AVX512") == (4, 3, 3) and default_tree(None) == default_tree(None, "AVX2") == (8, 3, 2)
+    assert default_tree("fp16", "AVX2") == default_tree("onednn", amx=False) == (6, 3, 3)
+    assert default_tree("onednn", "AVX512", amx=False) == default_tree("fp16", "AVX2", amx=True) == (6, 3, 3)
+    assert default_tree("onednn", amx=True) == default_tree("onednn", "AVX512", amx=True) == (10, 3, 3)
+    assert default_tree("fp16", "AVX512") == default_tree("fp16", "AVX512", amx=True) == (4, 3, 3)
+    assert default_tree(None) == default_tree(None, "AVX2") == default_tree(None, amx=True) == (8, 3, 2)
+    monkeypatch.setattr("eagle_dropmatch.loading.amx_tiles", lambda: True)
+    assert default_tree("onednn") == (10, 3, 3)
+    monkeypatch.setattr("eagle_dropmatch.loading.amx_tiles", lambda: False)
+    assert default_tree("onednn") == (6, 3, 3)
+    monkeypatch.undo()
     d = tiny_model_dir
     here = tuple(default_tree(packing_kernel()))  # bf16 packs with this machine's kernel under auto
     for name, flags, shape in (("fp32", ["--dtype", "float32"], (8, 3, 2)),

@@ -157,7 +157,8 @@ def test_without_the_extension_fp16_layers_run_on_torchs_binding(monkeypatch, fr
     assert cpu_linear.fp16_extension() is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "building the multi-threaded fp16 kernel" in err[0]
-    assert "unavailable (Ninja is required to load C++ extensions); using torch's one-thread binding" in err[1]
+    assert ("unavailable (Ninja is required to load C++ extensions); fp16 layers use torch's one-thread "
+            "binding, and --cpu-prepack auto packs for oneDNN where this CPU has native bf16") in err[1]
     cpu_linear.fp16_extension.cache_clear()
     monkeypatch.setenv("EAGLE_DROPMATCH_FP16_EXTENSION", "0")
     assert cpu_linear.fp16_extension() is None and capsys.readouterr().err == ""
