@@ -279,8 +279,8 @@ def default_tree(kernel: str | None, capability: str | None = None, amx: bool | 
     8/3/3 0.934x). 10/3/3 on oneDNN with AMX tiles, whose products take tiles of 16 rows: a target forward
     over 12 tokens cost what one over 4 does and 1.11x one over 1 (SmolLM2, an Intel Xeon, stop 42), and
     10/3/3 ran 1.050x and 1.053x 6/3/3's tokens/s on MT-Bench first turns 0-30 and 30-80, where 12/3/3,
-    12/4/3, 16/3/4, 16/4/4, 20/4/4 and 24/5/4 gave 0.93-1.06x and none led in both. README, "Tree shape", "Which kernel", "On an Intel Xeon with
-    AMX" and "On a CPU without native bf16".
+    12/4/3, 16/3/4, 16/4/4, 20/4/4 and 24/5/4 gave 0.93-1.06x and none led in both. README, "Tree shape",
+    "Which kernel", "On an Intel Xeon with AMX" and "On a CPU without native bf16".
     """
     if kernel is None:
         return TreeShape(8, 3, 2)
