@@ -15,6 +15,10 @@ Definitions (see shared/design/EAGLE3.md section 6):
 - exact-match rate = share of turns whose token ids equal the baseline's.
 - Several answer files with the same settings (meta minus seed; model_id without meta) are repeats: their
   figures are reported as mean and sample standard deviation over the runs.
+- per position: tau and exact tau of the rounds that start in each window of an answer (tokens 1-64, 65-128,
+  129-256, 257-512, 513+), and the share of the window's tokens that complete a 5-gram of token ids already
+  seen earlier in the same answer. Long answers of a small target repeat themselves, which a draft predicts
+  well, so this tells fresh text's acceptance from a loop's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ from .stats import mean, ratio, std
 #: Figures averaged over repeated runs of one configuration.
 RUN_METRICS = ("tau", "exact_tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "exact_match_rate",
                "agreement", "accepted_set_size")
+
+#: Upper ends of the per-position windows (tokens 1-64, 65-128, ...; the last window is open).
+POSITION_EDGES = (64, 128, 256, 512)
+
+#: Length of the token-id n-grams whose repeats the per-position breakdown counts.
+REPEAT_NGRAM = 5
+
+#: Figures of each per-position window, averaged over repeated runs.
+POSITION_METRICS = ("tokens", "rounds", "tau", "exact_tau", "repeated_share")
 
 
 def exact_committed(turn: Turn, lossless: bool) -> int | None:
@@ -95,6 +108,74 @@ def summarize(turns: Sequence[Turn], lossless: bool) -> dict:
         "agreement": mean(t.agreement for t in turns),
         "accepted_set_size": mean(t.accepted_set_size for t in turns),
     }
+
+
+def position_window(position: int, edges: Sequence[int] = POSITION_EDGES) -> str:
+    """The label of the window holding a 0-based token position: "1-64", "65-128", ..., "513+"."""
+    start = 0
+    for end in edges:
+        if position < end:
+            return f"{start + 1}-{end}"
+        start = end
+    return f"{start + 1}+"
+
+
+def by_position(turns: Sequence[Turn], lossless: bool, edges: Sequence[int] = POSITION_EDGES) -> dict:
+    """tau, exact tau and repeated n-gram share by where in its answer a token or round falls.
+
+    A round belongs to the window of its first token; its committed tokens are counted there even where they
+    run into the next window. The recorded last round may be cut (see ``exact_committed``): its tokens, and
+    its exact tokens, are cut to what was kept. A token is repeated when it completes a ``REPEAT_NGRAM``-gram
+    of token ids that occurred earlier in the same turn (turns without token ids count no tokens).
+
+    Args:
+        turns: Turns of one run.
+        lossless: Whether the run is lossless (exact lengths fall back to the accept lengths).
+        edges: Upper ends of the windows (0-based positions below each edge; the last window is open).
+
+    Returns:
+        Window label -> dict of tokens, rounds, tau, exact_tau, repeated_share (None where not computable),
+        in position order, only windows that hold a token or a round.
+    """
+    sums: dict[str, dict[str, int]] = {}
+
+    def window(position: int) -> dict[str, int]:
+        return sums.setdefault(position_window(position, edges), {"tokens": 0, "repeated": 0, "rounds": 0,
+                                                                  "committed": 0, "exact_rounds": 0, "exact": 0})
+
+    for turn in turns:
+        ids = turn.token_ids or []
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(ids)):
+            cell = window(i)
+            cell["tokens"] += 1
+            if i + 1 >= REPEAT_NGRAM:
+                gram = tuple(ids[i + 1 - REPEAT_NGRAM:i + 1])
+                cell["repeated"] += gram in seen
+                seen.add(gram)
+        acc, n = turn.accept_lengths, turn.n_tokens
+        if not acc or n is None:
+            continue
+        exact = turn.exact_accept_lengths if turn.exact_accept_lengths is not None else (acc if lossless else None)
+        if exact is not None and len(exact) != len(acc):
+            exact = None
+        position = 0
+        for r, length in enumerate(acc):
+            if position >= n:
+                break
+            kept = min(length, n - position)
+            cell = window(position)
+            cell["rounds"] += 1
+            cell["committed"] += kept
+            if exact is not None:
+                cell["exact_rounds"] += 1
+                cell["exact"] += min(exact[r], kept) if r == len(acc) - 1 else exact[r]
+            position += kept
+    return OrderedDict((label, {"tokens": c["tokens"], "rounds": c["rounds"],
+                                "tau": ratio(c["committed"], c["rounds"]),
+                                "exact_tau": ratio(c["exact"], c["exact_rounds"]),
+                                "repeated_share": ratio(c["repeated"], c["tokens"])})
+                       for label, c in sorted(sums.items(), key=lambda item: int(item[0].split("-")[0].rstrip("+"))))
 
 
 def same_answer(a: Turn, b: Turn) -> bool:
@@ -191,6 +272,7 @@ def analyze_run(af: AnswerFile, baseline: AnswerFile | None, questions: dict | N
         turns.setdefault(str(u[1] + 1), []).append(u)
     out["per_category"] = {c: _block(us, lossless, has_base) for c, us in cats.items()}
     out["per_turn"] = {t: _block(us, lossless, has_base) for t, us in turns.items()}
+    out["per_position"] = by_position([u[2] for u in units], lossless)
     return out
 
 
@@ -220,6 +302,9 @@ def group_runs(files: list[AnswerFile], runs: list[dict]) -> list[dict]:
         for breakdown in ("per_category", "per_turn"):
             parts = OrderedDict((c, None) for r in rs for c in r[breakdown])
             g[breakdown] = {c: aggregate([r[breakdown][c] for r in rs if c in r[breakdown]]) for c in parts}
+        windows = OrderedDict((w, None) for r in rs for w in r["per_position"])
+        g["per_position"] = {w: aggregate([r["per_position"][w] for r in rs if w in r["per_position"]],
+                                          POSITION_METRICS) for w in windows}
         out.append(g)
     return out
 
@@ -235,6 +320,7 @@ def speed_report(answer_files: Sequence[str], baseline_files: Sequence[str] = ()
     top.update({f"{k}_std": groups[0].get(f"{k}_std") for k in RUN_METRICS})
     top["per_category"] = groups[0]["per_category"]
     top["per_turn"] = groups[0]["per_turn"]
+    top["per_position"] = groups[0]["per_position"]
     top["groups"] = groups
     top["runs"] = runs
     return top
@@ -261,6 +347,12 @@ def render_text(report: dict) -> str:
             for c, v in g[breakdown].items():
                 lines.append(f"| {c} | {fmt(v['tau'])} | {fmt(v['exact_tau'])} | {fmt(v['tokens_per_s'], 1)} "
                              f"| {fmt(v['speedup'])} | {fmt(v['exact_match_rate'], 3)} |")
+        lines += ["", f"{g['label']} ({g['bench'] or '-'}), per position in the answer (a round counts where it "
+                      f"starts):", "", f"| tokens | rounds | tau | exact tau | repeated {REPEAT_NGRAM}-grams |",
+                  "|---|---|---|---|---|"]
+        for w, v in g["per_position"].items():
+            lines.append(f"| {w} | {fmt(v['rounds'], 0)} | {fmt(v['tau'])} | {fmt(v['exact_tau'])} "
+                         f"| {fmt(v['repeated_share'], 3)} |")
     return "\n".join(lines)
 
 

@@ -270,3 +270,44 @@ def test_same_answer_file_given_twice_is_refused(tmp_path, files, capsys):
     base, dm, _ = files
     rc = run_cli(speed.main, ["--answer-file", dm, str(tmp_path / "." / "dm.jsonl"), "--baseline-file", base])
     one_error_line(rc, capsys, "given twice", "--answer-file")
+
+
+def test_by_position_windows_rounds_and_repeats():
+    # 140 ids: 0..69 then 0..69 again. The 5-gram ending at position 74 (ids 0..4) is the first seen before,
+    # so positions 74..139 repeat: 0 of 64 in 1-64, 54 of 64 in 65-128, 12 of 12 in 129-256.
+    # Rounds start at 0, 60 (1-64), 65 (65-128) and 135 (129-256); the last (10) is cut to the 5 tokens kept.
+    from evaluation.answers import Turn
+
+    turn = Turn(text="t", token_ids=list(range(70)) * 2, idxs=3, accept_lengths=[60, 5, 70, 10],
+                exact_accept_lengths=[30, 5, 20, 8])
+    windows = speed.by_position([turn], lossless=False)
+    assert list(windows) == ["1-64", "65-128", "129-256"]
+    assert windows["1-64"] == {"tokens": 64, "rounds": 2, "tau": 32.5, "exact_tau": 17.5, "repeated_share": 0.0}
+    assert windows["65-128"] == {"tokens": 64, "rounds": 1, "tau": 70.0, "exact_tau": 20.0,
+                                 "repeated_share": 54 / 64}
+    assert windows["129-256"] == {"tokens": 12, "rounds": 1, "tau": 5.0, "exact_tau": 5.0, "repeated_share": 1.0}
+    # Lossless without exact lengths: exact tau is tau; every window is named by its own edges.
+    lossless = Turn(text="t", token_ids=list(range(600)), idxs=1, accept_lengths=[513, 87])
+    assert {w: v["exact_tau"] for w, v in speed.by_position([lossless], lossless=True).items()} == {
+        "1-64": 513.0, "65-128": None, "129-256": None, "257-512": None, "513+": 87.0}
+    assert speed.position_window(511) == "257-512" and speed.position_window(512) == "513+"
+    # A turn without ids counts its rounds only; windows stay in position order across turns.
+    no_ids = Turn(text="t", recorded_new_tokens=600, idxs=1, accept_lengths=[513, 87])
+    assert list(speed.by_position([no_ids, Turn(text="u", token_ids=list(range(100)))], lossless=True)) == [
+        "1-64", "65-128", "513+"]
+
+
+def test_per_position_table_and_repeats(files, capsys):
+    base, dm, dm2 = files
+    rep = speed.speed_report([dm, dm2], [base])
+    # every token of dm_records lies in 1-64: 48 tokens over 11 rounds, exact 40; distinct ids, no repeats
+    window = rep["per_position"]["1-64"]
+    assert list(rep["per_position"]) == ["1-64"] and window["rounds"] == 11 and window["rounds_std"] == 0.0
+    assert window["tau"] == pytest.approx(48 / 11) and window["exact_tau"] == pytest.approx(40 / 11)
+    assert window["repeated_share"] == 0.0
+    assert speed.main(["--answer-file", dm, "--baseline-file", base]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("EAGLE-3 + DropMatch (K=5, p=0.3) (mt_bench), per position in the answer "
+                        "(a round counts where it starts):")
+    assert lines[start + 2:start + 5] == ["| tokens | rounds | tau | exact tau | repeated 5-grams |",
+                                          "|---|---|---|---|---|", "| 1-64 | 11 | 4.36 | 3.64 | 0.000 |"]
