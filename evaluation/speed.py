@@ -24,6 +24,7 @@ Definitions (see shared/design/EAGLE3.md section 6):
 from __future__ import annotations
 
 import sys
+from bisect import bisect_right
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
@@ -112,12 +113,9 @@ def summarize(turns: Sequence[Turn], lossless: bool) -> dict:
 
 def position_window(position: int, edges: Sequence[int] = POSITION_EDGES) -> str:
     """The label of the window holding a 0-based token position: "1-64", "65-128", ..., "513+"."""
-    start = 0
-    for end in edges:
-        if position < end:
-            return f"{start + 1}-{end}"
-        start = end
-    return f"{start + 1}+"
+    index = bisect_right(edges, position)
+    start = edges[index - 1] if index else 0
+    return f"{start + 1}-{edges[index]}" if index < len(edges) else f"{start + 1}+"
 
 
 def by_position(turns: Sequence[Turn], lossless: bool, edges: Sequence[int] = POSITION_EDGES) -> dict:
@@ -137,10 +135,11 @@ def by_position(turns: Sequence[Turn], lossless: bool, edges: Sequence[int] = PO
         Window label -> dict of tokens, rounds, tau, exact_tau, repeated_share (None where not computable),
         in position order, only windows that hold a token or a round.
     """
-    sums: dict[str, dict[str, int]] = {}
+    sums: dict[int, dict[str, int]] = {}  # window start -> counts
 
     def window(position: int) -> dict[str, int]:
-        return sums.setdefault(position_window(position, edges), {"tokens": 0, "repeated": 0, "rounds": 0,
+        index = bisect_right(edges, position)
+        return sums.setdefault(edges[index - 1] if index else 0, {"tokens": 0, "repeated": 0, "rounds": 0,
                                                                   "committed": 0, "exact_rounds": 0, "exact": 0})
 
     for turn in turns:
@@ -171,11 +170,11 @@ def by_position(turns: Sequence[Turn], lossless: bool, edges: Sequence[int] = PO
                 cell["exact_rounds"] += 1
                 cell["exact"] += min(exact[r], kept) if r == len(acc) - 1 else exact[r]
             position += kept
-    return OrderedDict((label, {"tokens": c["tokens"], "rounds": c["rounds"],
-                                "tau": ratio(c["committed"], c["rounds"]),
-                                "exact_tau": ratio(c["exact"], c["exact_rounds"]),
-                                "repeated_share": ratio(c["repeated"], c["tokens"])})
-                       for label, c in sorted(sums.items(), key=lambda item: int(item[0].split("-")[0].rstrip("+"))))
+    return OrderedDict((position_window(start, edges), {"tokens": c["tokens"], "rounds": c["rounds"],
+                                                        "tau": ratio(c["committed"], c["rounds"]),
+                                                        "exact_tau": ratio(c["exact"], c["exact_rounds"]),
+                                                        "repeated_share": ratio(c["repeated"], c["tokens"])})
+                       for start, c in sorted(sums.items()))
 
 
 def same_answer(a: Turn, b: Turn) -> bool:
