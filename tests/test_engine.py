@@ -40,34 +40,6 @@ def test_eagle3_greedy_equals_plain_greedy(target, shape):
         assert out.exact_accept_lengths == out.accept_lengths
 
 
-def test_plain_decoding_hands_sdpa_an_explicit_mask_on_the_cpu(target, monkeypatch):
-    """A CPU SDPA target gets an all-True [1, 1, 1, L + 1] mask per token (faster than transformers' unmasked
-    one-query path on long caches); the tokens are the same as without it, in fp32."""
-    engine = SpeculativeDecoder(target, AUX)
-    assert engine.plain_mask
-    import eagle_dropmatch.generate as generate_module
-    masks = []
-    real_forward = generate_module.target_forward
-
-    def spy(decoder, ids, positions, cache, mask, aux):
-        masks.append(mask)
-        return real_forward(decoder, ids, positions, cache, mask, aux)
-
-    monkeypatch.setattr(generate_module, "target_forward", spy)
-    prompt = prompts(1, seed=7)[0]
-    cfg = DecodeConfig(max_new_tokens=30)
-    masked = engine.generate_baseline(prompt, cfg).token_ids
-    steps = masks[1:]  # the prefill's causal mask is the model's own
-    assert masks[0] is None and len(steps) == 29
-    assert all(m.dtype == torch.bool and bool(m.all()) for m in steps)
-    assert [m.shape[-1] for m in steps] == list(range(len(prompt) + 1, len(prompt) + 30))
-    engine.plain_mask = False
-    assert engine.generate_baseline(prompt, cfg).token_ids == masked == greedy_reference(target, prompt, 30)
-    eager = tiny_target(seed=1)
-    eager.config._attn_implementation = "eager"
-    assert not SpeculativeDecoder(eager, AUX).plain_mask  # eager adds a float mask: left to the model
-
-
 def test_long_accepted_runs_stay_exact(target):
     engine = SpeculativeDecoder(target, AUX)
     for i, prompt in enumerate(prompts(4, seed=5)):

@@ -60,11 +60,38 @@ def test_the_function_takes_grouped_heads_natively_only_under_a_mask_with_severa
     assert torch.equal(out, reference.transpose(1, 2))  # [B, S, heads, hd]
     assert calls == []
     assert sdpa_native_gqa(module, q, kv, kv, None)[0] == "stock"  # no mask: transformers decides (causal)
-    assert sdpa_native_gqa(module, q[:, :, :1], kv, kv, mask[:, :, :1])[0] == "stock"  # one query
+    assert sdpa_native_gqa(module, q[:, :, :1], kv, kv, mask[:, :, :1])[0] == "stock"  # one query under a mask
+    one, _ = sdpa_native_gqa(module, q[:, :, :1], kv, kv, None, scaling=0.5)  # one query, no mask: packed
+    unpacked = torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], kv, kv, scale=0.5, enable_gqa=True)
+    torch.testing.assert_close(one, unpacked.transpose(1, 2), rtol=0, atol=1e-6)  # [B, 1, heads, hd]; fp32 order
     assert sdpa_native_gqa(module, q, kv, kv, mask, softcap=30.0)[0] == "stock"
     module.num_key_value_groups = 1
     assert sdpa_native_gqa(module, q[:, :2], kv, kv, mask)[0] == "stock"  # no grouped heads
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_unmasked_query_packed_is_bit_identical_to_transformers_sdpa(dtype):
+    """Plain decoding's step (one query, no mask) on a cache of 40 tokens: the packed query heads give
+    transformers' outputs bit for bit in bf16; in fp32 PyTorch's kernels sum in another order (about 1e-7)."""
+    target = tiny_target(seed=2).to(dtype)
+    assert use_native_gqa(target)
+    prompt = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(4))
+
+    def step_logits(implementation):
+        target.set_attn_implementation(implementation)
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(input_ids=prompt, cache=cache, use_cache=True)
+            return target(input_ids=torch.tensor([[9]]), position_ids=torch.tensor([[40]]), cache=cache,
+                          use_cache=True).logits
+
+    packed, stock = step_logits(NATIVE_GQA_SDPA), step_logits("sdpa")
+    if dtype == torch.bfloat16:
+        assert torch.equal(packed, stock)
+    else:
+        torch.testing.assert_close(packed, stock, rtol=0, atol=1e-6)
+        assert torch.equal(packed.argmax(-1), stock.argmax(-1))
 
 
 def test_engine_with_native_grouped_heads_equals_plain_greedy_and_stock_sdpa():
@@ -79,6 +106,7 @@ def test_engine_with_native_grouped_heads_equals_plain_greedy_and_stock_sdpa():
     drafter = Eagle3Drafter(tiny_head(target, seed=3, draft_vocab=48), 16, 4, 4)
     native = engine.generate(prompt, drafter, cfg)
     oracle = engine.generate(prompt, OracleDrafter(reference, depth=6, vocab=96, seed=1), cfg)
+    assert engine.generate_baseline(prompt, cfg).token_ids == reference  # one query a step, packed
     target.set_attn_implementation("sdpa")
     stock = engine.generate(prompt, drafter, cfg)
     assert native.token_ids == stock.token_ids == oracle.token_ids == reference
