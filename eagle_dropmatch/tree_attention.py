@@ -51,13 +51,16 @@ def sdpa_native_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, queries, head_dim = query.shape
     special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-    if groups > 1 and attention_mask is None and queries == 1 and not special:
+    # Two cases are handled here, with grouped heads: one query without a mask (packed) and several under a
+    # mask (enable_gqa); transformers' own function takes the rest.
+    stock = groups == 1 or special or (attention_mask is None) != (queries == 1)
+    if stock:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if attention_mask is None:  # plain decoding's step: one query, grouped heads
         packed = query.reshape(batch, heads // groups, groups, head_dim)  # query heads of a key/value head as queries
         out = F.scaled_dot_product_attention(packed, key, value, dropout_p=dropout, scale=scaling)
         return out.reshape(batch, heads, 1, head_dim).transpose(1, 2).contiguous(), None  # [B, 1, heads, hd]
-    if groups == 1 or attention_mask is None or queries == 1 or special:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
     # With a mask transformers passes is_causal=False to the kernel too: the mask says everything.
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, enable_gqa=True)  # [B, heads, S, hd]
