@@ -1,6 +1,7 @@
 """The package's small C++ modules (``csrc/``), built once per machine at first use.
 
-Three exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
+Four exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
+``csrc/bf16_linear.cpp`` (a bf16 product with AVX512-BF16 dot products: ``cpu_linear.bf16_extension``),
 ``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``) and
 ``csrc/round_ops.cpp`` (the KV cache's compaction, the first argmax and the verifier, each in one call:
 ``round_ops``). Each is compiled by torch's C++ extension loader into a folder of its own under the package's

@@ -85,11 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--system-prompt", help="system message prepended to every conversation")
     a("--warmup", type=int, default=1, help="warm-up generations before timing (not recorded)")
     a("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    a("--cpu-prepack", default="auto", choices=["auto", "on", "off", "onednn", "fp16"],  # cpu_linear.PREPACK_MODES
+    a("--cpu-prepack", default="auto", choices=["auto", "on", "off", "onednn", "fp16", "bf16"],  # cpu_linear.PREPACK_MODES
       help="bf16 linear layers on the CPU run on weights packed once, faster, the weights held twice: onednn "
-           "(oneDNN's bf16 layout, the stock outputs; CPUs with native bf16) or fp16 (fbgemm's fp16 weights with "
-           "fp32 arithmetic: the same products summed in another order). auto and on pick fp16, or onednn on "
-           "CPUs with AMX tiles or where the compiled fp16 kernel cannot be built; off: stock layers")
+           "(oneDNN's bf16 layout, the stock outputs; CPUs with native bf16), fp16 (fbgemm's fp16 weights with "
+           "fp32 arithmetic: the same products summed in another order) or bf16 (this package's compiled "
+           "AVX512-BF16 kernel: the bf16 weights, fp32 sums). auto and on pick bf16 on CPUs with AVX512-BF16 "
+           "and no AMX, onednn on CPUs with AMX tiles, else fp16 (onednn where no compiled kernel can be "
+           "built); off: stock layers")
     a("--no-progress", action="store_true", help="no progress bar")
     return p
 

@@ -149,7 +149,7 @@ class EagleModel:
         decoder: the engine over ``target``.
         draft: a draft causal LM sharing the tokenizer, or None.
         prepacked: how many linear layers run on packed weights (``cpu_linear``; 0 = none).
-        kernel: the kernel ``load`` packs with on this CPU ("onednn" or "fp16", ``cpu_linear.kernel_for``),
+        kernel: the kernel ``load`` packs with on this CPU ("onednn", "fp16" or "bf16", ``cpu_linear.kernel_for``),
             or None (stock layers); a layer it cannot serve exactly stays stock. It sets the default tree shape
             and DropMatch sample rows (``default_tree``, ``default_dropmatch_rows``), as ``gen`` predicts
             them before loading from the same ``kernel_for``.
@@ -170,7 +170,8 @@ class EagleModel:
 
     @property
     def threaded(self) -> int:
-        """How many of the packed layers run on all intra-op threads (``cpu_linear.fp16_extension``)."""
+        """How many of the packed layers run on all intra-op threads (``cpu_linear.fp16_extension`` or
+        ``bf16_extension``)."""
         return threaded_layers(self.target, self.head, self.draft)
 
     def with_head(self, ea_model_path: str | Path) -> "EagleModel":
@@ -279,11 +280,16 @@ def default_tree(kernel: str | None, capability: str | None = None, amx: bool | 
     8/3/3 0.934x). 10/3/3 on oneDNN with AMX tiles, whose products take tiles of 16 rows: a target forward
     over 12 tokens cost what one over 4 does and 1.11x one over 1 (SmolLM2, an Intel Xeon, stop 42), and
     10/3/3 ran 1.050x and 1.053x 6/3/3's tokens/s on MT-Bench first turns 0-30 and 30-80, where 12/3/3,
-    12/4/3, 16/3/4, 16/4/4, 20/4/4 and 24/5/4 gave 0.93-1.06x and none led in both. README, "Tree shape",
-    "Which kernel", "On an Intel Xeon with AMX" and "On a CPU without native bf16".
+    12/4/3, 16/3/4, 16/4/4, 20/4/4 and 24/5/4 gave 0.93-1.06x and none led in both. 4/3/3 on this package's
+    AVX512-BF16 kernel too: it makes each row cheaper, yet on MT-Bench first turns 0-24 (a Zen 4, stop 47)
+    5/3/3, 6/3/3 and 8/3/3 ran 0.981x, 0.977x and 0.986x 4/3/3's tokens/s for tau 1.964, 1.987 and 2.110
+    against 1.882. README, "Tree shape", "Which kernel", "On an Intel Xeon with AMX" and "On a CPU without
+    native bf16".
     """
     if kernel is None:
         return TreeShape(8, 3, 2)
+    if kernel == "bf16":
+        return TreeShape(4, 3, 3)
     if kernel == "fp16":
         capability = capability or torch.backends.cpu.get_cpu_capability()
         if capability.startswith("AVX512"):
@@ -432,11 +438,12 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
         device: "cpu", "cuda[:i]" or "auto" (accelerate device_map).
         require_head: raise when no head can be found.
         progress: print progress when the embedded default is converted the first time.
-        cpu_prepack: "auto", "on", "off", "onednn" or "fp16": run the bf16 linear layers of the target, head
-            and draft model on weights packed once (``cpu_linear``: oneDNN's bf16 layout, the same outputs, or
-            fbgemm's fp16 weights with fp32 arithmetic; faster, the weights held twice). "auto" packs with the
-            kernel ``cpu_linear.packing_kernel`` picks for the CPU and stays stock where none exists; "on"
-            refuses where none does; "onednn" and "fp16" name the kernel and refuse where it is missing.
+        cpu_prepack: "auto", "on", "off", "onednn", "fp16" or "bf16": run the bf16 linear layers of the
+            target, head and draft model on weights packed once (``cpu_linear``: oneDNN's bf16 layout, the same
+            outputs; fbgemm's fp16 weights with fp32 arithmetic; or this package's AVX512-BF16 kernel, the bf16
+            weights with fp32 sums; faster, the weights held twice). "auto" packs with the kernel
+            ``cpu_linear.packing_kernel`` picks for the CPU and stays stock where none exists; "on" refuses
+            where none does; "onednn", "fp16" and "bf16" name the kernel and refuse where it is missing.
     """
     torch_dtype = resolve_dtype(dtype)
     check_device(device)

@@ -241,6 +241,7 @@ def test_the_default_tree_follows_the_layers_kernel(tiny_model_dir, tmp_path, ca
     assert default_tree("onednn", "AVX512", amx=False) == default_tree("fp16", "AVX2", amx=True) == (6, 3, 3)
     assert default_tree("onednn", amx=True) == default_tree("onednn", "AVX512", amx=True) == (10, 3, 3)
     assert default_tree("fp16", "AVX512") == default_tree("fp16", "AVX512", amx=True) == (4, 3, 3)
+    assert default_tree("bf16") == default_tree("bf16", "AVX2", amx=True) == (4, 3, 3)
     assert default_tree(None) == default_tree(None, "AVX2") == default_tree(None, amx=True) == (8, 3, 2)
     monkeypatch.setattr("eagle_dropmatch.loading.amx_tiles", lambda: True)
     assert default_tree("onednn") == (10, 3, 3)
@@ -275,6 +276,7 @@ def test_dropmatch_scores_contested_rows_by_default_on_the_packed_kernels(tiny_m
     from eagle_dropmatch.cpu_linear import packing_kernel
     from eagle_dropmatch.loading import default_dropmatch_rows, load
     assert default_dropmatch_rows("fp16", 5, "match", 0.0) == default_dropmatch_rows("onednn", 5, "match", 0.0) \
+        == default_dropmatch_rows("bf16", 5, "match", 0.0) \
         == "contested"
     assert {default_dropmatch_rows("fp16", 0, "match", 0.0), default_dropmatch_rows("fp16", 5, "match", 0.7),
             default_dropmatch_rows("fp16", 5, "topk", 0.0), default_dropmatch_rows("onednn", 5, "match", 0.7),

@@ -16,7 +16,22 @@ from conftest import tiny_target
 onednn = pytest.mark.skipif(not onednn_packs_bf16(),
                             reason="oneDNN does not pack bf16 weights on this CPU (it needs AVX512 or AVX-NE-CONVERT)")
 fp16 = pytest.mark.skipif(not fbgemm_fp16_works(), reason="this torch build or CPU lacks fbgemm's fp16 linear ops")
-KERNELS = [pytest.param("onednn", marks=onednn), pytest.param("fp16", marks=fp16)]
+
+
+def can_build_extensions() -> bool:
+    import shutil
+    from torch.utils.cpp_extension import is_ninja_available
+    return shutil.which("c++") is not None and is_ninja_available()
+
+
+def avx512_bf16_here() -> bool:
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return check is not None and check()
+
+
+bf16 = pytest.mark.skipif(not (avx512_bf16_here() and can_build_extensions()),
+                          reason="the bf16 kernel needs AVX512-BF16, a C++ compiler and ninja")
+KERNELS = [pytest.param("onednn", marks=onednn), pytest.param("fp16", marks=fp16), pytest.param("bf16", marks=bf16)]
 
 
 def bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0) -> nn.Linear:
@@ -65,12 +80,6 @@ def test_an_fp16_packed_linear_gives_the_fp32_product_of_the_bf16_weights(inputs
     assert packed_matches(linear, packed)
     wrong = PrepackedLinear(bf16_linear(inputs, outputs, bias, seed=1), "fp16")
     assert not packed_matches(linear, wrong)  # the check can fail: another weight is caught
-
-
-def can_build_extensions() -> bool:
-    import shutil
-    from torch.utils.cpp_extension import is_ninja_available
-    return shutil.which("c++") is not None and is_ninja_available()
 
 
 @fp16
@@ -170,6 +179,93 @@ def test_without_the_extension_fp16_layers_run_on_torchs_binding(monkeypatch, fr
         expected = torch.fbgemm_linear_fp16_weight(x.float(), torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(
             linear.weight.float()), linear.bias.float()).to(torch.bfloat16)
         assert torch.equal(packed(x), expected)
+
+
+def any_bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0) -> nn.Linear:
+    """A random bf16 layer with no fp16 condition on its values ("bf16" packs any bf16 weight as it is)."""
+    torch.manual_seed(seed)
+    return nn.Linear(inputs, outputs, bias=bias).to(torch.bfloat16).eval()
+
+
+@bf16
+@pytest.mark.parametrize("inputs,outputs,bias", [*SHAPES, (33, 40, True), (1152, 960, False), (5, 3, False)])
+@pytest.mark.parametrize("shape", [*ROWS, (6,), ()])
+def test_a_bf16_packed_linear_gives_the_fp32_product_of_its_own_weights(inputs, outputs, bias, shape):
+    """Every product of two bf16 values is exact in fp32, so the output is the fp32 sum rounded once to bf16, up
+    to the order of the sums (odd widths: the packing pads a zero pair; outputs not a multiple of 16: the last
+    block is stored under a mask)."""
+    linear = any_bf16_linear(inputs, outputs, bias)
+    packed = PrepackedLinear(linear, "bf16")
+    assert packed.threaded and "kernel=bf16, threaded" in repr(packed)
+    x = torch.randn(*shape, inputs, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        out = packed(x)
+        exact = F.linear(x.float(), linear.weight.float(), None if bias is False else linear.bias.float())
+    assert out.shape == (*shape, outputs) and out.dtype == torch.bfloat16
+    assert (out == exact.to(torch.bfloat16)).float().mean() >= 0.99
+    assert cpu_linear.within_summation_bound(out, x, linear.weight.float(), linear.bias)
+    assert packed_matches(linear, packed)
+    wrong = PrepackedLinear(any_bf16_linear(inputs, outputs, bias, seed=1), "bf16")
+    assert not packed_matches(linear, wrong)  # the check can fail: another weight is caught
+
+
+@bf16
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_bf16_layers_row_does_not_depend_on_the_rows_beside_it_or_the_thread_count(threads):
+    """Each output is summed by one lane in input order, so a row alone on one thread (plain decoding's step)
+    gives bit for bit what it gives among 1-13 rows (a tree) on any number of threads."""
+    linear = any_bf16_linear(576, 1000, True)
+    packed = PrepackedLinear(linear, "bf16")
+    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            alone = torch.cat([packed(row[None]) for row in x])
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 4, 5, 8, 13):
+                assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(saved)
+
+
+class OffBF16:
+    """A stand-in bf16 extension module whose layer adds 1 to every output, or (``batched``) only when given
+    more than one row."""
+
+    def __init__(self, batched: bool = False):
+        outer = self
+
+        class PackedBF16Linear:
+            def __init__(self, weight):
+                self.weight = weight
+
+            def forward(self, x, bias=None):
+                out = F.linear(x.float(), self.weight.float(), None if bias is None else bias.float())
+                off = not outer.batched or x.reshape(-1, x.shape[-1]).shape[0] > 1
+                return (out + 1 if off else out).to(torch.bfloat16)
+
+        self.batched, self.PackedBF16Linear = batched, PackedBF16Linear
+
+
+def test_a_bf16_extension_is_checked_against_the_fp32_product_and_row_by_row():
+    assert not cpu_linear.bf16_extension_matches(OffBF16())
+    assert not cpu_linear.bf16_extension_matches(OffBF16(batched=True))  # rows depend on their neighbours
+
+
+@bf16
+def test_the_bf16_extension_builds_and_passes_its_check_where_the_cpu_has_avx512_bf16():
+    module = cpu_linear.bf16_extension()
+    assert module is not None and cpu_linear.bf16_extension_matches(module)
+
+
+def test_without_avx512_bf16_there_is_no_bf16_kernel(monkeypatch, fresh_extension_probes):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    assert cpu_linear.bf16_extension() is None and not cpu_linear.kernel_available("bf16")
+    with pytest.raises(ValueError, match="kernel bf16 needs AVX512-BF16"):
+        PrepackedLinear(any_bf16_linear(8, 8, False), "bf16")
+    with pytest.raises(ValueError, match="cpu-prepack bf16 needs AVX512-BF16 and the compiled bf16 kernel"):
+        cpu_linear.kernel_for("bf16", torch.bfloat16, "cpu")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -285,7 +381,7 @@ def test_fp16_packing_leaves_a_target_weight_that_is_not_all_fp16_values_to_oned
 
 
 def test_prepack_wanted_by_mode(monkeypatch):
-    for kernel in ("onednn", "fp16"):  # auto packs with whichever kernel the CPU has
+    for kernel in cpu_linear.KERNELS:  # auto packs with whichever kernel the CPU has
         monkeypatch.setattr(cpu_linear, "packing_kernel", lambda: kernel)
         assert not prepack_wanted("off", torch.bfloat16, "cpu")
         assert prepack_wanted("auto", torch.bfloat16, "cpu") and prepack_wanted("on", torch.bfloat16, "cpu")
@@ -293,7 +389,7 @@ def test_prepack_wanted_by_mode(monkeypatch):
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda"), (torch.bfloat16, "auto")):
         with pytest.raises(ValueError, match="cpu-prepack on packs bf16 weights on the CPU"):
             prepack_wanted("on", dtype, device)
-    with pytest.raises(ValueError, match="cpu-prepack must be one of auto, on, off, onednn, fp16"):
+    with pytest.raises(ValueError, match="cpu-prepack must be one of auto, on, off, onednn, fp16, bf16"):
         prepack_wanted("always", torch.bfloat16, "cpu")
     from eagle_dropmatch import gen
     choices = next(a.choices for a in gen.build_parser()._actions if a.dest == "cpu_prepack")
@@ -308,24 +404,28 @@ def test_the_kernel_probe_says_what_this_cpu_packs():
     """Each probe answers without raising, and the kernel auto picks is one this CPU runs."""
     kernel = cpu_linear.packing_kernel()
     assert kernel in (*cpu_linear.KERNELS, None)
-    assert (kernel is None) == (not onednn_packs_bf16() and not fbgemm_fp16_works())
+    assert (kernel is None) == (not onednn_packs_bf16() and not fbgemm_fp16_works()
+                                and cpu_linear.bf16_extension() is None)
     assert kernel is None or cpu_linear.kernel_available(kernel)
 
 
-@pytest.mark.parametrize("amx,avx512_bf16,onednn_packs,extension,fbgemm,expected", [
-    (True, True, True, True, True, "onednn"),      # AMX tiles: oneDNN
-    (False, True, True, True, True, "fp16"),       # AVX512-BF16 without AMX (Zen 4), compiled fp16 kernel: fbgemm
-    (False, True, True, False, True, "onednn"),    # ... without the compiled kernel (fbgemm on one thread): oneDNN
-    (False, False, False, True, True, "fp16"),     # AVX2 only: fbgemm
-    (False, False, False, False, True, "fp16"),    # ... even on one thread
-    (False, True, True, True, False, "onednn"),    # a torch without fbgemm
-    (False, False, False, False, False, None),     # nothing packs
+@pytest.mark.parametrize("amx,avx512_bf16,onednn_packs,bf16_ext,extension,fbgemm,expected", [
+    (True, True, True, True, True, True, "onednn"),       # AMX tiles: oneDNN
+    (False, True, True, True, True, True, "bf16"),        # AVX512-BF16 without AMX (Zen 4), our bf16 kernel built
+    (False, True, True, False, True, True, "fp16"),       # ... without it, the compiled fp16 kernel: fbgemm
+    (False, True, True, False, False, True, "onednn"),    # ... without either (fbgemm on one thread): oneDNN
+    (False, False, False, False, True, True, "fp16"),     # AVX2 only: fbgemm
+    (False, False, False, False, False, True, "fp16"),    # ... even on one thread
+    (False, True, True, False, True, False, "onednn"),    # a torch without fbgemm
+    (False, True, False, True, False, False, "bf16"),     # ... nor oneDNN's bf16 packing, but our kernel
+    (False, False, False, False, False, False, None),     # nothing packs
 ])
-def test_auto_picks_the_kernel_by_what_the_cpu_has(amx, avx512_bf16, onednn_packs, extension, fbgemm, expected,
-                                                   monkeypatch):
+def test_auto_picks_the_kernel_by_what_the_cpu_has(amx, avx512_bf16, onednn_packs, bf16_ext, extension, fbgemm,
+                                                   expected, monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     monkeypatch.setattr(cpu_linear, "onednn_packs_bf16", lambda: onednn_packs)
+    monkeypatch.setattr(cpu_linear, "bf16_extension", lambda: object() if bf16_ext else None)
     monkeypatch.setattr(cpu_linear, "fp16_extension", lambda: object() if extension else None)
     monkeypatch.setattr(cpu_linear, "fbgemm_fp16_works", lambda: fbgemm)
     cpu_linear.packing_kernel.cache_clear()
@@ -396,6 +496,30 @@ def test_an_fp16_packed_model_decodes_as_the_engine_promises(fp16_model_dir, mon
     layers = [m for m in (*packed.target.modules(), *packed.head.modules()) if isinstance(m, nn.Linear | PrepackedLinear)]
     assert packed.prepacked == len(layers) > 0 and all(type(m) is PrepackedLinear and m.kernel == "fp16" for m in layers)
     assert packed.threaded == (len(layers) if cpu_linear.fp16_extension() is not None else 0) and stock.threaded == 0
+    prompt = packed.chat_ids([{"role": "user", "content": "Say something long."}])
+    with torch.no_grad():
+        ours, theirs = (m.target.model(prompt[None]).last_hidden_state.float() for m in (packed, stock))
+    assert F.cosine_similarity(ours, theirs, dim=-1).min() > 0.999
+    lossless = packed.generate(prompt, max_new_tokens=24)
+    assert lossless.token_ids == packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.0).token_ids
+    plain = packed.generate(prompt, max_new_tokens=24, baseline=True)
+    assert plain.rounds == len(plain.token_ids) + (plain.stop_reason == "eos") > 0  # one token per forward
+    sampled = packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.3, temperature=0.8, seed=3)
+    assert len(sampled.token_ids) > 0 and sampled.rounds > 0
+
+
+@bf16
+def test_a_bf16_packed_model_decodes_as_the_engine_promises(tiny_model_dir):
+    """With this package's bf16 kernel every layer of target and head is packed, whatever its values; the
+    target's hidden states stay those of the stock bf16 model up to rounding; DropMatch at p = 0 is lossless
+    EAGLE-3 bit for bit on the packed layers; plain decoding runs on them too."""
+    d = tiny_model_dir
+    packed = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack="bf16")
+    stock = load(d / "target", d / "head", dtype="bfloat16", cpu_prepack="off")
+    layers = [m for m in (*packed.target.modules(), *packed.head.modules()) if isinstance(m, nn.Linear | PrepackedLinear)]
+    assert packed.prepacked == packed.threaded == len(layers) > 0
+    assert all(type(m) is PrepackedLinear and m.kernel == "bf16" for m in layers)
+    assert packed.kernel == "bf16" and default_tree(packed.kernel) == (4, 3, 3)
     prompt = packed.chat_ids([{"role": "user", "content": "Say something long."}])
     with torch.no_grad():
         ours, theirs = (m.target.model(prompt[None]).last_hidden_state.float() for m in (packed, stock))

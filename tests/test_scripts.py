@@ -5,6 +5,7 @@ bad input is one error line."""
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -404,6 +405,29 @@ def test_bench_round_table_columns_fit_the_longest_variant_name(capsys):
     lines = capsys.readouterr().out.splitlines()[1:5]
     assert len({len(line) for line in lines}) == 1, lines  # header and every row end in the same column
     assert [line.split("  ")[0] for line in lines] == ["variant", *table]  # each name followed by 2+ spaces
+
+
+def test_bench_kernels_times_every_kernel_here_on_the_targets_shapes(tiny_model_dir, tmp_path, capsys):
+    import torch
+    from eagle_dropmatch import cpu_linear
+    module = _script("bench_kernels")
+    assert module.main(["--model-path", str(tiny_model_dir / "target"), "--rows", "1", "3", "--repeats", "2",
+                        "--stream-mib", "0.05"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    here = [k for k in cpu_linear.KERNELS if cpu_linear.kernel_available(k)]
+    assert out[0].startswith(f"kernels: {', '.join([*here, 'stock'])}")
+    rows = [re.sub(r"\(\d+ GB/s\)", "", line).split() for line in out[2:]]  # bandwidths left out
+    shapes = {(int(r[0]), int(r[2])) for r in rows}
+    from transformers import AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir / "target"))
+    assert shapes == {(m.in_features, m.out_features) for m in target.modules() if isinstance(m, torch.nn.Linear)}
+    assert len(rows) == len(shapes) * 2 * 2  # cached and streamed, 1 and 3 rows
+    assert all(r[3] in ("cached", "streamed") and len(r) == 5 + len(here) + 1 for r in rows)
+    assert all(float(cell) > 0 for r in rows for cell in r[5:])
+    assert module.main(["--model-path", str(tmp_path / "nothing")]) == 2
+    assert module.main(["--model-path", str(tiny_model_dir / "target"), "--stream-mib", "0"]) == 2
+    err = capsys.readouterr().err
+    assert sum(line.startswith("error: ") for line in err.splitlines()) == 2 and "Traceback" not in err, err
 
 
 def test_bench_window_cache_reports_the_entries_each_variant_holds(capsys):

@@ -10,16 +10,17 @@ from eagle_dropmatch.drafters import Eagle3Drafter
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.tree import DraftTree
 from eagle_dropmatch.tree_attention import NATIVE_GQA_SDPA, sdpa_native_gqa, use_native_gqa
-from eagle_dropmatch.verify import check_tree_verification, tree_mask_dtype
+from eagle_dropmatch.verify import check_tree_verification, mask_in_dtype, tree_mask_dtype
 
 from conftest import OracleDrafter, greedy_reference, tiny_head, tiny_target
 
 AUX = [2, 4, 5]
 
 
-def tree_logits(target, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+def tree_logits(target, implementation: str, dtype: torch.dtype, additive: bool = False) -> torch.Tensor:
     """Logits of a 7-node tree verified on a 23-token cache, with the target's attention set to
-    ``implementation`` for the whole call."""
+    ``implementation`` for the whole call; the tree mask as booleans or (``additive``) in the engine's
+    additive form in ``dtype`` (``mask_in_dtype``)."""
     target.set_attn_implementation(implementation)
     prompt = torch.randint(3, 96, (1, 23), generator=torch.Generator().manual_seed(4))
     tree = DraftTree.from_parents(torch.tensor([5, 6, 7, 8, 9, 10, 11]), torch.tensor([-1, 0, 0, 1, 1, 3, 2]))
@@ -27,7 +28,8 @@ def tree_logits(target, implementation: str, dtype: torch.dtype) -> torch.Tensor
     with torch.no_grad():
         target(input_ids=prompt, cache=cache, use_cache=True)
         out = target(input_ids=tree.tokens[None], position_ids=(23 + tree.depths)[None],
-                     attention_mask=tree.attention_mask(23), cache=cache, use_cache=True)
+                     attention_mask=mask_in_dtype(tree.attention_mask(23), dtype if additive else torch.bool),
+                     cache=cache, use_cache=True)
     return out.logits
 
 
@@ -38,6 +40,7 @@ def test_tree_logits_are_bit_identical_to_transformers_sdpa(dtype):
     native = tree_logits(target, NATIVE_GQA_SDPA, dtype)
     stock = tree_logits(target, "sdpa", dtype)
     assert torch.equal(native, stock)
+    assert torch.equal(tree_logits(target, NATIVE_GQA_SDPA, dtype, additive=True), stock)  # the engine's form
     # and the tree mask matters: causal attention over the same tokens gives other logits
     target.set_attn_implementation(NATIVE_GQA_SDPA)
     with torch.no_grad():
@@ -98,7 +101,7 @@ def test_engine_with_native_grouped_heads_equals_plain_greedy_and_stock_sdpa():
     target = tiny_target(seed=1)
     assert use_native_gqa(target)
     check_tree_verification(target)
-    assert tree_mask_dtype(target) == torch.bool
+    assert tree_mask_dtype(target) == target.dtype  # additive, converted once per round
     engine = SpeculativeDecoder(target, AUX)
     cfg = DecodeConfig(max_new_tokens=40)
     prompt = torch.randint(3, 96, (11,), generator=torch.Generator().manual_seed(7))
