@@ -225,6 +225,8 @@ def test_a_bf16_layers_row_does_not_depend_on_the_rows_beside_it_or_the_thread_c
             torch.set_num_threads(threads)
             for rows in (1, 2, 4, 5, 8, 13):
                 assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+            shifted = torch.cat([x.new_zeros(1), x.flatten()])[1:].view_as(x)  # starts 2 bytes into its storage
+            assert shifted.is_contiguous() and torch.equal(packed(shifted), alone)
     finally:
         torch.set_num_threads(saved)
 

@@ -40,11 +40,11 @@ inline __m256i round_to_bf16(__m512 v) {
 }
 
 // rows x (blocks x 16) outputs: c[r, 16 b + j] = sum over input pairs p of the pair's two products, in order.
-//   a: rows of the input as 32-bit pairs, row stride lda (pairs); w: the first block's packed weight, block
+//   a: rows of the input (bf16 bits), row stride lda in pairs; w: the first block's packed weight, block
 //   stride wstride (pairs of 16 lanes); c: bf16 output, row stride ldc; cols: valid columns from c's first
 //   (the last block may be partial); bias: fp32 [cols] or nullptr.
 template <int R, int B>
-void tile(const uint32_t* a, int64_t lda, const uint32_t* w, int64_t wstride, int64_t pairs, uint16_t* c,
+void tile(const uint16_t* a, int64_t lda, const uint32_t* w, int64_t wstride, int64_t pairs, uint16_t* c,
           int64_t ldc, int64_t cols, const float* bias) {
   __m512 sum[R][B];
   for (int r = 0; r < R; ++r)
@@ -54,7 +54,9 @@ void tile(const uint32_t* a, int64_t lda, const uint32_t* w, int64_t wstride, in
     for (int b = 0; b < B; ++b)
       weight[b] = (__m512bh)_mm512_loadu_si512(static_cast<const void*>(w + b * wstride + p * kBlock));
     for (int r = 0; r < R; ++r) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + p]));
+      int pair;  // the input pair as 32 bits (copied: a row may start 2 bytes off a 4-byte boundary)
+      std::memcpy(&pair, a + 2 * (r * lda + p), sizeof(pair));
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
       for (int b = 0; b < B; ++b) sum[r][b] = _mm512_dpbf16_ps(sum[r][b], weight[b], x);
     }
   }
@@ -73,7 +75,7 @@ void tile(const uint32_t* a, int64_t lda, const uint32_t* w, int64_t wstride, in
 }
 
 template <int R>
-void tile_rows(int blocks, const uint32_t* a, int64_t lda, const uint32_t* w, int64_t wstride, int64_t pairs,
+void tile_rows(int blocks, const uint16_t* a, int64_t lda, const uint32_t* w, int64_t wstride, int64_t pairs,
                uint16_t* c, int64_t ldc, int64_t cols, const float* bias) {
   switch (blocks) {
     case 1: tile<R, 1>(a, lda, w, wstride, pairs, c, ldc, cols, bias); break;
@@ -83,7 +85,7 @@ void tile_rows(int blocks, const uint32_t* a, int64_t lda, const uint32_t* w, in
   }
 }
 
-void tile_any(int rows, int blocks, const uint32_t* a, int64_t lda, const uint32_t* w, int64_t wstride,
+void tile_any(int rows, int blocks, const uint16_t* a, int64_t lda, const uint32_t* w, int64_t wstride,
               int64_t pairs, uint16_t* c, int64_t ldc, int64_t cols, const float* bias) {
   switch (rows) {
     case 1: tile_rows<1>(blocks, a, lda, w, wstride, pairs, c, ldc, cols, bias); break;
@@ -125,7 +127,7 @@ class PackedBF16Linear {
       bias_fp32 = bias->to(at::kFloat).contiguous();
       bias_ptr = bias_fp32.data_ptr<float>();
     }
-    const auto* a_ptr = reinterpret_cast<const uint32_t*>(a.data_ptr<at::BFloat16>());
+    const auto* a_ptr = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
     const auto* w_ptr = reinterpret_cast<const uint32_t*>(packed_.data_ptr<at::BFloat16>());
     auto* c_ptr = reinterpret_cast<uint16_t*>(c.data_ptr<at::BFloat16>());
     const int64_t lda = pairs_, wstride = pairs_ * kBlock, ldc = out_features_;
@@ -140,7 +142,7 @@ class PackedBF16Linear {
             const int64_t col = b * kBlock;
             for (int64_t r = 0; r < m; r += kRows) {
               const int rows = static_cast<int>(std::min<int64_t>(kRows, m - r));
-              tile_any(rows, n, a_ptr + r * lda, lda, w_ptr + b * wstride, wstride, pairs, c_ptr + r * ldc + col,
+              tile_any(rows, n, a_ptr + 2 * r * lda, lda, w_ptr + b * wstride, wstride, pairs, c_ptr + r * ldc + col,
                        ldc, out - col, bias_ptr ? bias_ptr + col : nullptr);
             }
           }
