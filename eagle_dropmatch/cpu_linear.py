@@ -46,10 +46,12 @@ on stderr saying why.
   to 4 rows per weight line loaded, on all intra-op threads. Every output is summed in the same order
   whatever the row count or thread split, so a row's output does not depend on the rows beside it. ``auto``
   picks it on a CPU with AVX512-BF16 and no AMX (AMD Zen 4) where it builds and passes its check. On a 2-core
-  Zen 4 it ran SmolLM2's layer shapes 2-3x faster than fbgemm's fp16 kernel with the weights in cache (576 x
-  1536: 13 against 28 us for 1 row, 20 against 52 for 4), 1.15-1.25x with them streamed from memory, and in
-  decoding took the target's forward in a verification round from 22.6 to 18.6 ms (stop 47; README, "A bf16
-  kernel of our own").
+  Zen 4 (``scripts/bench_kernels.py``) it ran SmolLM2's layer shapes 1.7-2.3x faster than fbgemm's fp16
+  kernel with the weights in cache (576 x 1536: 16.6 against 28.7 us for 1 row, 23.0 against 52.8 for 4);
+  streamed from memory, as a forward reads them, as fast for 1 row (52.0 against 52.9 us; the 576 x 49152 LM
+  head slower, 1.25 against 1.08 ms) and faster for more (57.2 against 61.7 us for 4, 68.8 against 98.6 for
+  8). In decoding the target's forward in a round of the 4/3/3 tree took 19.4 ms against fbgemm's 22.0
+  (``scripts/bench_round.py``; stop 47; README, "A bf16 kernel of our own").
 
 ``PrepackedLinear`` keeps the module's ``weight`` and ``bias`` parameters (so tied embeddings, state dicts and
 every ``.weight`` reader see the same tensors) and holds the packed copy beside them: the weights' memory is
@@ -228,7 +230,7 @@ def packing_kernel() -> str | None:
     multi-threaded fp16 kernel (``fp16_extension``) is missing; else "fp16" where fbgemm's fp16-weight product
     runs; else "onednn" where oneDNN packs bf16; else None. On a Zen 4 (AVX512-BF16, no AMX) fbgemm's kernel
     ran SmolLM2's one-token target forward in 17.8 ms against oneDNN's 28.1, and "bf16" a round's tree forward
-    in 18.6 ms against fbgemm's 22.6; on a Xeon with AMX oneDNN's ran 12 tokens in 25.3 ms against fbgemm's
+    in 19.4 ms against fbgemm's 22.0; on a Xeon with AMX oneDNN's ran 12 tokens in 25.3 ms against fbgemm's
     32.5 (module docstring; "bf16" was not measured there)."""
     if amx_tiles() and onednn_packs_bf16():
         return "onednn"
