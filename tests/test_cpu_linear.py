@@ -486,6 +486,21 @@ def test_a_onednn_packed_model_decodes_the_same_tokens(tiny_model_dir, monkeypat
     assert other.prepacked > packed.prepacked and type(other.head.lm_head) is PrepackedLinear
 
 
+def assert_decodes_as_the_engine_promises(packed, stock) -> None:
+    """The packed target's hidden states are the stock bf16 model's up to rounding; DropMatch at p = 0 is
+    lossless EAGLE-3 bit for bit on the packed layers; plain decoding and sampling run on them."""
+    prompt = packed.chat_ids([{"role": "user", "content": "Say something long."}])
+    with torch.no_grad():
+        ours, theirs = (m.target.model(prompt[None]).last_hidden_state.float() for m in (packed, stock))
+    assert F.cosine_similarity(ours, theirs, dim=-1).min() > 0.999
+    lossless = packed.generate(prompt, max_new_tokens=24)
+    assert lossless.token_ids == packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.0).token_ids
+    plain = packed.generate(prompt, max_new_tokens=24, baseline=True)
+    assert plain.rounds == len(plain.token_ids) + (plain.stop_reason == "eos") > 0  # one token per forward
+    sampled = packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.3, temperature=0.8, seed=3)
+    assert len(sampled.token_ids) > 0 and sampled.rounds > 0
+
+
 @fp16
 def test_an_fp16_packed_model_decodes_as_the_engine_promises(fp16_model_dir, monkeypatch):
     """With fbgemm's kernel every layer of target and head is packed; the target's hidden states stay those
@@ -498,16 +513,7 @@ def test_an_fp16_packed_model_decodes_as_the_engine_promises(fp16_model_dir, mon
     layers = [m for m in (*packed.target.modules(), *packed.head.modules()) if isinstance(m, nn.Linear | PrepackedLinear)]
     assert packed.prepacked == len(layers) > 0 and all(type(m) is PrepackedLinear and m.kernel == "fp16" for m in layers)
     assert packed.threaded == (len(layers) if cpu_linear.fp16_extension() is not None else 0) and stock.threaded == 0
-    prompt = packed.chat_ids([{"role": "user", "content": "Say something long."}])
-    with torch.no_grad():
-        ours, theirs = (m.target.model(prompt[None]).last_hidden_state.float() for m in (packed, stock))
-    assert F.cosine_similarity(ours, theirs, dim=-1).min() > 0.999
-    lossless = packed.generate(prompt, max_new_tokens=24)
-    assert lossless.token_ids == packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.0).token_ids
-    plain = packed.generate(prompt, max_new_tokens=24, baseline=True)
-    assert plain.rounds == len(plain.token_ids) + (plain.stop_reason == "eos") > 0  # one token per forward
-    sampled = packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.3, temperature=0.8, seed=3)
-    assert len(sampled.token_ids) > 0 and sampled.rounds > 0
+    assert_decodes_as_the_engine_promises(packed, stock)
 
 
 @bf16
@@ -522,16 +528,7 @@ def test_a_bf16_packed_model_decodes_as_the_engine_promises(tiny_model_dir):
     assert packed.prepacked == packed.threaded == len(layers) > 0
     assert all(type(m) is PrepackedLinear and m.kernel == "bf16" for m in layers)
     assert packed.kernel == "bf16" and default_tree(packed.kernel) == (4, 3, 3)
-    prompt = packed.chat_ids([{"role": "user", "content": "Say something long."}])
-    with torch.no_grad():
-        ours, theirs = (m.target.model(prompt[None]).last_hidden_state.float() for m in (packed, stock))
-    assert F.cosine_similarity(ours, theirs, dim=-1).min() > 0.999
-    lossless = packed.generate(prompt, max_new_tokens=24)
-    assert lossless.token_ids == packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.0).token_ids
-    plain = packed.generate(prompt, max_new_tokens=24, baseline=True)
-    assert plain.rounds == len(plain.token_ids) + (plain.stop_reason == "eos") > 0  # one token per forward
-    sampled = packed.generate(prompt, max_new_tokens=24, dropmatch_k=5, dropout_p=0.3, temperature=0.8, seed=3)
-    assert len(sampled.token_ids) > 0 and sampled.rounds > 0
+    assert_decodes_as_the_engine_promises(packed, stock)
 
 
 def test_load_refuses_prepacking_an_fp32_model_in_one_line(tiny_model_dir):
