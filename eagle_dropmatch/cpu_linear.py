@@ -234,7 +234,7 @@ def packing_kernel() -> str | None:
     32.5 (module docstring; "bf16" was not measured there)."""
     if amx_tiles() and onednn_packs_bf16():
         return "onednn"
-    if native_bf16() and bf16_extension() is not None:
+    if bf16_extension() is not None:  # it probes AVX512-BF16 itself
         return "bf16"
     onednn = native_bf16() and onednn_packs_bf16()
     if onednn and fp16_extension() is None:
@@ -384,8 +384,9 @@ class PrepackedLinear(nn.Module):
 
 
 def threaded_layers(*modules: nn.Module) -> int:
-    """How many ``PrepackedLinear`` layers in ``modules`` (None skipped) run on all intra-op threads through
-    ``fp16_extension``: what benchmark reports print beside the packed count."""
+    """How many ``PrepackedLinear`` layers in ``modules`` (None skipped) run on all intra-op threads through a
+    compiled module (``fp16_extension`` or ``bf16_extension``): what benchmark reports print beside the
+    packed count."""
     return sum(getattr(m, "threaded", False) is True for module in modules if module is not None
                for m in module.modules())
 

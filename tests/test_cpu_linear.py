@@ -34,12 +34,14 @@ bf16 = pytest.mark.skipif(not (avx512_bf16_here() and can_build_extensions()),
 KERNELS = [pytest.param("onednn", marks=onednn), pytest.param("fp16", marks=fp16), pytest.param("bf16", marks=bf16)]
 
 
-def bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0) -> nn.Linear:
-    """A random bf16 layer whose weights are all fp16 values too (as SmolLM2's are), so either kernel packs it."""
+def bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0, fp16_values: bool = True) -> nn.Linear:
+    """A random bf16 layer; with ``fp16_values`` its weights are all fp16 values too (as SmolLM2's are), so every
+    kernel packs it ("bf16" packs any bf16 weight as it is)."""
     torch.manual_seed(seed)
     linear = nn.Linear(inputs, outputs, bias=bias)
-    with torch.no_grad():
-        linear.weight.copy_(linear.weight.half().float())
+    if fp16_values:
+        with torch.no_grad():
+            linear.weight.copy_(linear.weight.half().float())
     return linear.to(torch.bfloat16).eval()
 
 
@@ -181,12 +183,6 @@ def test_without_the_extension_fp16_layers_run_on_torchs_binding(monkeypatch, fr
         assert torch.equal(packed(x), expected)
 
 
-def any_bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0) -> nn.Linear:
-    """A random bf16 layer with no fp16 condition on its values ("bf16" packs any bf16 weight as it is)."""
-    torch.manual_seed(seed)
-    return nn.Linear(inputs, outputs, bias=bias).to(torch.bfloat16).eval()
-
-
 @bf16
 @pytest.mark.parametrize("inputs,outputs,bias", [*SHAPES, (33, 40, True), (1152, 960, False), (5, 3, False)])
 @pytest.mark.parametrize("shape", [*ROWS, (6,), ()])
@@ -194,7 +190,7 @@ def test_a_bf16_packed_linear_gives_the_fp32_product_of_its_own_weights(inputs, 
     """Every product of two bf16 values is exact in fp32, so the output is the fp32 sum rounded once to bf16, up
     to the order of the sums (odd widths: the packing pads a zero pair; outputs not a multiple of 16: the last
     block is stored under a mask)."""
-    linear = any_bf16_linear(inputs, outputs, bias)
+    linear = bf16_linear(inputs, outputs, bias, fp16_values=False)
     packed = PrepackedLinear(linear, "bf16")
     assert packed.threaded and "kernel=bf16, threaded" in repr(packed)
     x = torch.randn(*shape, inputs, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -205,7 +201,7 @@ def test_a_bf16_packed_linear_gives_the_fp32_product_of_its_own_weights(inputs, 
     assert (out == exact.to(torch.bfloat16)).float().mean() >= 0.99
     assert cpu_linear.within_summation_bound(out, x, linear.weight.float(), linear.bias)
     assert packed_matches(linear, packed)
-    wrong = PrepackedLinear(any_bf16_linear(inputs, outputs, bias, seed=1), "bf16")
+    wrong = PrepackedLinear(bf16_linear(inputs, outputs, bias, seed=1, fp16_values=False), "bf16")
     assert not packed_matches(linear, wrong)  # the check can fail: another weight is caught
 
 
@@ -214,7 +210,7 @@ def test_a_bf16_packed_linear_gives_the_fp32_product_of_its_own_weights(inputs, 
 def test_a_bf16_layers_row_does_not_depend_on_the_rows_beside_it_or_the_thread_count(threads):
     """Each output is summed by one lane in input order, so a row alone on one thread (plain decoding's step)
     gives bit for bit what it gives among 1-13 rows (a tree) on any number of threads."""
-    linear = any_bf16_linear(576, 1000, True)
+    linear = bf16_linear(576, 1000, True, fp16_values=False)
     packed = PrepackedLinear(linear, "bf16")
     x = torch.randn(13, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     saved = torch.get_num_threads()
@@ -265,7 +261,7 @@ def test_without_avx512_bf16_there_is_no_bf16_kernel(monkeypatch, fresh_extensio
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     assert cpu_linear.bf16_extension() is None and not cpu_linear.kernel_available("bf16")
     with pytest.raises(ValueError, match="kernel bf16 needs AVX512-BF16"):
-        PrepackedLinear(any_bf16_linear(8, 8, False), "bf16")
+        PrepackedLinear(bf16_linear(8, 8, False, fp16_values=False), "bf16")
     with pytest.raises(ValueError, match="cpu-prepack bf16 needs AVX512-BF16 and the compiled bf16 kernel"):
         cpu_linear.kernel_for("bf16", torch.bfloat16, "cpu")
 
