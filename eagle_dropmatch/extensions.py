@@ -1,13 +1,15 @@
 """The package's small C++ modules (``csrc/``), built once per machine at first use.
 
-Four exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
+Five exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
 ``csrc/bf16_linear.cpp`` (a bf16 product with AVX512-BF16 dot products: ``cpu_linear.bf16_extension``),
-``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``) and
+``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``),
 ``csrc/round_ops.cpp`` (the KV cache's compaction, the first argmax and the verifier, each in one call:
-``round_ops``). Each is compiled by torch's C++ extension loader into a folder of its own under the package's
+``round_ops``) and ``csrc/draft_ops.cpp`` (the head's RMSNorm and the tree search's top-k log-probabilities,
+each in one call: ``draft_ops``). Each is compiled by torch's C++ extension loader into a folder of its own under the package's
 cache (``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there
 after.
-Each is checked against the Python or torch code it replaces on a small case before it is used. Where one is
+Each is checked against the Python or torch code it replaces on a small case before it is used (``draft_ops``
+within rounding: it only serves the drafter, whose proposals the target verifies). Where one is
 switched off (an environment variable), cannot be built (no C++ compiler, no ninja, a missing header) or
 fails its check, its caller runs that code instead, and one line on stderr says why (but not for the
 switch). Nothing here reaches the network.
@@ -167,4 +169,78 @@ def verifier_matches_reference(module, generator: torch.Generator, trees: int = 
                 return False
             if int(accepted_length(*args[:3], tree.ancestors, accept, compiled=False)) != path.shape[0]:
                 return False
+    return True
+
+
+DRAFT_OPS_NAME = "eagle_dropmatch_draft_ops"
+
+
+@functools.cache
+def draft_ops():
+    """The compiled module (``csrc/draft_ops.cpp``) whose ``rms_norm`` runs ``head.RMSNorm``, whose
+    ``topk_log_softmax`` runs ``log_softmax(logits.float()).topk(k)`` for the tree search (``tree.top_children``)
+    and whose ``select_tree`` builds ``tree.select_tree``'s tree, each in one call; or None where it cannot be built, the environment sets
+    ``EAGLE_DROPMATCH_DRAFT_OPS_EXTENSION=0``, or it does not compute a check case as torch does within rounding
+    (one line on stderr says which). Built once per machine (``load_extension``)."""
+    return load_extension(DRAFT_OPS_NAME, "draft_ops.cpp", "the compiled drafting-ops module",
+                          "the head drafts with torch's ops", ("-O3", "-fopenmp-simd"), vectorized=True,
+                          switch="EAGLE_DROPMATCH_DRAFT_OPS_EXTENSION", check=draft_ops_match_reference,
+                          reference="torch's ops")
+
+
+def draft_ops_match_reference(module) -> bool:
+    """Whether ``module``'s ``rms_norm`` gives the Llama RMSNorm of random bf16 and fp32 rows (tiny to large
+    scales, odd widths) within 4 units in the last place of the output's dtype, and its ``topk_log_softmax``
+    the indices of ``log_softmax(x.float()).topk(k)`` on rows without ties and its log-probabilities within
+    1e-4 (also for rows holding -inf), the lower index first where values tie, and its ``select_tree`` the
+    Python's trees exactly (``select_tree_matches_reference``)."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in (1, 7, 64, 577):
+            weight = (torch.rand(width, generator=generator) + 0.5).to(dtype)
+            x = (torch.randn(3, 5, width, generator=generator)
+                 * torch.tensor([1e-3, 1.0, 40.0])[:, None, None]).to(dtype)
+            xf = x.float()
+            expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+            ours = module.rms_norm(x, weight, 1e-5)
+            ulp = 4 * torch.finfo(dtype).eps * expected.float().abs().clamp(min=torch.finfo(dtype).tiny)
+            if ours.dtype != dtype or not bool(((ours.float() - expected.float()).abs() <= ulp).all()):
+                return False
+        for width, k in ((1, 1), (5, 3), (200, 4)) + (((1000, 4), (8193, 3)) if dtype == torch.float32 else ()):
+            logits = torch.randperm(width, generator=generator).float().reshape(1, width)  # exact in bf16
+            logits = torch.cat([logits, logits.flip(-1)]).mul(0.125).to(dtype)  # distinct values: no ties
+            if width > k:
+                logits[1, 0] = float("-inf")
+            expected_scores, expected_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            scores, ids = module.topk_log_softmax(logits, k)
+            if not torch.equal(ids, expected_ids) or not torch.allclose(scores, expected_scores, atol=1e-4):
+                return False
+    _, tied = module.topk_log_softmax(torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0]]), 2)
+    return tied.tolist() == [[1, 3]] and select_tree_matches_reference(module, generator)
+
+
+def select_tree_matches_reference(module, generator: torch.Generator, searches: int = 40) -> bool:
+    """Whether ``module``'s ``select_tree`` gives ``tree.select_tree``'s Python tree (every tensor, exactly) for
+    the candidates of random tree searches (scores rounded to one decimal: many ties) and tree sizes."""
+    from .tree import select_tree
+    for search in range(searches):
+        k, depth = (int(torch.randint(1, 5, (1,), generator=generator)) for _ in range(2))
+        frontier, frontier_scores = torch.arange(k), -torch.rand(k, generator=generator).round(decimals=1)
+        tokens, scores, parents = [torch.randint(0, 50, (k,), generator=generator)], [frontier_scores], \
+            [torch.full((k,), -1)]
+        for _ in range(1, depth):
+            children = (frontier_scores[:, None] - torch.rand(k, k, generator=generator).round(decimals=1)).flatten()
+            best = torch.sort(children, descending=True, stable=True).indices[:k]
+            tokens.append(torch.randint(0, 50, (k * k,), generator=generator))
+            scores.append(children)
+            parents.append(frontier.repeat_interleave(k))
+            frontier, frontier_scores = sum(len(t) for t in tokens[:-1]) + best, children[best]
+        args = (torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.tensor([7]),
+                int(torch.randint(1, 12, (1,), generator=generator)))
+        expected = select_tree(*args, depth, compiled=False)
+        ours = module.select_tree(*args)
+        names = ("tokens", "parents", "depths", "ancestors", "has_children")
+        if not all(torch.equal(t, getattr(expected, name)) and t.dtype == getattr(expected, name).dtype
+                   for t, name in zip(ours, names)):
+            return False
     return True

