@@ -25,7 +25,7 @@ from .dropmatch import (AgreementTally, DropMatchConfig, calibrate_dropout_p, ch
                         dropout_masks, lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
                         shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
-from .extensions import round_ops
+from .extensions import draft_ops, round_ops
 from .tree import DraftTree
 from .verify import (LocalLayers, TargetLMHead, attention_chunk, cache_argument, check_tree_verification,
                      compact_cache, decoder_of, lm_head_logits, local_attention, mask_in_dtype, new_cache,
@@ -294,6 +294,8 @@ class SpeculativeDecoder:
         check_sample_rows(dm, cfg.temperature)
         if self.device.type == "cpu":  # compiled modules built (once per machine) or found before the clock starts
             round_ops()
+            if drafter.needs_features:  # an EAGLE-3 head's norms and tree search
+                draft_ops()
             if dm.active and dm.rows == "contested":
                 contest_extension()
         shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
