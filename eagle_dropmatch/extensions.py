@@ -4,15 +4,15 @@ Five exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cp
 ``csrc/bf16_linear.cpp`` (a bf16 product with AVX512-BF16 dot products: ``cpu_linear.bf16_extension``),
 ``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``),
 ``csrc/round_ops.cpp`` (the KV cache's compaction, the first argmax and the verifier, each in one call:
-``round_ops``) and ``csrc/draft_ops.cpp`` (the head's RMSNorm and the tree search's top-k log-probabilities,
-each in one call: ``draft_ops``). Each is compiled by torch's C++ extension loader into a folder of its own under the package's
-cache (``resources.cache_dir() / "extensions"``, a folder per torch and Python version) and loaded from there
-after.
-Each is checked against the Python or torch code it replaces on a small case before it is used (``draft_ops``
-within rounding: it only serves the drafter, whose proposals the target verifies). Where one is
-switched off (an environment variable), cannot be built (no C++ compiler, no ninja, a missing header) or
-fails its check, its caller runs that code instead, and one line on stderr says why (but not for the
-switch). Nothing here reaches the network.
+``round_ops``) and ``csrc/draft_ops.cpp`` (the head's RMSNorm, the tree search's top-k log-probabilities and
+its tree selection, each in one call: ``draft_ops``). Each is compiled by torch's C++ extension loader into a
+folder of its own under the package's cache (``resources.cache_dir() / "extensions"``, a folder per torch and
+Python version) and loaded from there after.
+Each is checked against the Python or torch code it replaces on a small case before it is used (``draft_ops``'s
+norm and log-probabilities within rounding: they only serve the drafter, whose proposals the target
+verifies). Where one is switched off (an environment variable), cannot be built (no C++ compiler, no ninja, a
+missing header) or fails its check, its caller runs that code instead, and one line on stderr says why (but
+not for the switch). Nothing here reaches the network.
 """
 
 from __future__ import annotations
@@ -178,10 +178,11 @@ DRAFT_OPS_NAME = "eagle_dropmatch_draft_ops"
 @functools.cache
 def draft_ops():
     """The compiled module (``csrc/draft_ops.cpp``) whose ``rms_norm`` runs ``head.RMSNorm``, whose
-    ``topk_log_softmax`` runs ``log_softmax(logits.float()).topk(k)`` for the tree search (``tree.top_children``)
-    and whose ``select_tree`` builds ``tree.select_tree``'s tree, each in one call; or None where it cannot be built, the environment sets
-    ``EAGLE_DROPMATCH_DRAFT_OPS_EXTENSION=0``, or it does not compute a check case as torch does within rounding
-    (one line on stderr says which). Built once per machine (``load_extension``)."""
+    ``topk_log_softmax`` runs ``log_softmax(logits.float()).topk(k)`` for the tree search
+    (``tree.top_children``) and whose ``select_tree`` builds ``tree.select_tree``'s tree, each in one call; or
+    None where it cannot be built, the environment sets ``EAGLE_DROPMATCH_DRAFT_OPS_EXTENSION=0``, or it does
+    not compute a check case as torch does (within rounding; the tree exactly; one line on stderr says which).
+    Built once per machine (``load_extension``)."""
     return load_extension(DRAFT_OPS_NAME, "draft_ops.cpp", "the compiled drafting-ops module",
                           "the head drafts with torch's ops", ("-O3", "-fopenmp-simd"), vectorized=True,
                           switch="EAGLE_DROPMATCH_DRAFT_OPS_EXTENSION", check=draft_ops_match_reference,
@@ -219,28 +220,33 @@ def draft_ops_match_reference(module) -> bool:
     return tied.tolist() == [[1, 3]] and select_tree_matches_reference(module, generator)
 
 
+def random_search_candidates(generator: torch.Generator, k: int, depth: int):
+    """The candidates (tokens, scores, parents, each [C]) of a random tree search with k children per frontier
+    node over depth levels, scores rounded to one decimal (many ties; children that tie their parents)."""
+    frontier, frontier_scores = torch.arange(k), -torch.rand(k, generator=generator).round(decimals=1)
+    tokens, scores, parents = [torch.randint(0, 50, (k,), generator=generator)], [frontier_scores], \
+        [torch.full((k,), -1)]
+    for _ in range(1, depth):
+        children = (frontier_scores[:, None] - torch.rand(k, k, generator=generator).round(decimals=1)).flatten()
+        best = torch.sort(children, descending=True, stable=True).indices[:k]
+        tokens.append(torch.randint(0, 50, (k * k,), generator=generator))
+        scores.append(children)
+        parents.append(frontier.repeat_interleave(k))
+        frontier, frontier_scores = sum(len(t) for t in tokens[:-1]) + best, children[best]
+    return torch.cat(tokens), torch.cat(scores), torch.cat(parents)
+
+
 def select_tree_matches_reference(module, generator: torch.Generator, searches: int = 40) -> bool:
     """Whether ``module``'s ``select_tree`` gives ``tree.select_tree``'s Python tree (every tensor, exactly) for
-    the candidates of random tree searches (scores rounded to one decimal: many ties) and tree sizes."""
+    the candidates of random tree searches (``random_search_candidates``) and tree sizes."""
     from .tree import select_tree
-    for search in range(searches):
+    names = ("tokens", "parents", "depths", "ancestors", "has_children")
+    for _ in range(searches):
         k, depth = (int(torch.randint(1, 5, (1,), generator=generator)) for _ in range(2))
-        frontier, frontier_scores = torch.arange(k), -torch.rand(k, generator=generator).round(decimals=1)
-        tokens, scores, parents = [torch.randint(0, 50, (k,), generator=generator)], [frontier_scores], \
-            [torch.full((k,), -1)]
-        for _ in range(1, depth):
-            children = (frontier_scores[:, None] - torch.rand(k, k, generator=generator).round(decimals=1)).flatten()
-            best = torch.sort(children, descending=True, stable=True).indices[:k]
-            tokens.append(torch.randint(0, 50, (k * k,), generator=generator))
-            scores.append(children)
-            parents.append(frontier.repeat_interleave(k))
-            frontier, frontier_scores = sum(len(t) for t in tokens[:-1]) + best, children[best]
-        args = (torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.tensor([7]),
+        args = (*random_search_candidates(generator, k, depth), torch.tensor([7]),
                 int(torch.randint(1, 12, (1,), generator=generator)))
         expected = select_tree(*args, depth, compiled=False)
-        ours = module.select_tree(*args)
-        names = ("tokens", "parents", "depths", "ancestors", "has_children")
         if not all(torch.equal(t, getattr(expected, name)) and t.dtype == getattr(expected, name).dtype
-                   for t, name in zip(ours, names)):
+                   for t, name in zip(module.select_tree(*args), names)):
             return False
     return True

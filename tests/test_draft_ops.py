@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from eagle_dropmatch.drafters import Eagle3Drafter
-from eagle_dropmatch.extensions import DRAFT_OPS_NAME, draft_ops, draft_ops_match_reference
+from eagle_dropmatch.extensions import (DRAFT_OPS_NAME, draft_ops, draft_ops_match_reference,
+                                        random_search_candidates)
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.head import DraftCache, RMSNorm
 from eagle_dropmatch.tree import draft_tree, select_tree, top_children
@@ -89,26 +90,11 @@ def test_ties_go_to_the_lower_index_and_nan_ranks_first(module):
     assert bool(scores.isnan().all())
 
 
-def random_search(gen: torch.Generator, k: int, depth: int):
-    """The candidates of a tree search with k children per frontier node over depth levels (scores rounded to
-    one decimal: many ties, children that tie their parents)."""
-    frontier, frontier_scores = torch.arange(k), -torch.rand(k, generator=gen).round(decimals=1)
-    tokens, scores, parents = [torch.randint(0, 50, (k,), generator=gen)], [frontier_scores], [torch.full((k,), -1)]
-    for _ in range(1, depth):
-        children = (frontier_scores[:, None] - torch.rand(k, k, generator=gen).round(decimals=1)).flatten()
-        best = torch.sort(children, descending=True, stable=True).indices[:k]
-        tokens.append(torch.randint(0, 50, (k * k,), generator=gen))
-        scores.append(children)
-        parents.append(frontier.repeat_interleave(k))
-        frontier, frontier_scores = sum(len(t) for t in tokens[:-1]) + best, children[best]
-    return torch.cat(tokens), torch.cat(scores), torch.cat(parents)
-
-
 def test_compiled_tree_selection_builds_the_python_tree_exactly(module):
     gen = torch.Generator().manual_seed(4)
     for search in range(200):
         k, depth = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
-        candidates = random_search(gen, k, depth)
+        candidates = random_search_candidates(gen, k, depth)
         for total_token in (1, 2, 4, 9, 60):
             ours = select_tree(*candidates, torch.tensor([3]), total_token, depth)
             python = select_tree(*candidates, torch.tensor([3]), total_token, depth, compiled=False)

@@ -6,8 +6,8 @@
 //
 // rms_norm: weight * round(x * rsqrt(mean(x^2) + eps)), the Llama form of eagle_dropmatch.head.RMSNorm: the
 // normalisation in fp32, rounded to x's dtype, then scaled in that dtype. The mean of squares is summed in an
-// order of the compiler's (a vectorised reduction), so it may differ from torch's reduction in its last bit; a drafter only proposes tokens,
-// so that changes no guarantee (the compiled module is checked against the Python within rounding).
+// order of the compiler's (a vectorised reduction), so it may differ from torch's in its last bit; a drafter
+// only proposes tokens, so that changes no guarantee (the module is checked against torch within rounding).
 //
 // topk_log_softmax: the k best log-probabilities of each row of logits and their indices, largest first, the
 // lower index first among equal values: torch.log_softmax(logits.float()).topk(k) without the [R, V]
@@ -120,42 +120,42 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 void row_topk_log_softmax(const float* row, int64_t v, int64_t k, float* scores, int64_t* ids) {
   std::vector<float> best(k);
   std::vector<int64_t> where(k);
-        float top = -std::numeric_limits<float>::infinity(), nan_seen = 0.0f;
-  #pragma omp simd reduction(max : top) reduction(+ : nan_seen)
-        for (int64_t i = 0; i < v; ++i) {
-          top = row[i] > top ? row[i] : top;
-          nan_seen += row[i] != row[i] ? 1.0f : 0.0f;
-        }
-        const bool nan = nan_seen != 0.0f;
-        float total = 0.0f;
-  #pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < v; ++i) total += exp_nonpositive(row[i] - top);
-        const float log_total = (nan || std::isinf(top)) ? std::numeric_limits<float>::quiet_NaN()
-                                                         : top + std::log(total);
-        // The k best by insertion: a later index enters only when it ranks strictly higher, so ties keep the
-        // lower index; NaN ranks above every number, as in torch.topk. A block of kLanes entries none of which
-        // ranks above the k-th best so far is skipped whole.
-        int64_t held = 0;
-        for (int64_t b = 0; b < v; b += kLanes) {
-          const int64_t b_end = b + kLanes < v ? b + kLanes : v;
-          if (held == k && !nan) {
-            bool any = false;
-            for (int64_t j = b; j < b_end; ++j) any |= row[j] > best[k - 1];
-            if (!any) continue;
-          }
-          for (int64_t j = b; j < b_end; ++j) {
-            const float x = row[j];
-            if (held == k && !ranks_above(x, best[k - 1])) continue;
-            int64_t slot = held < k ? held++ : k - 1;
-            while (slot > 0 && ranks_above(x, best[slot - 1])) {
-              best[slot] = best[slot - 1];
-              where[slot] = where[slot - 1];
-              --slot;
-            }
-            best[slot] = x;
-            where[slot] = j;
-          }
-        }
+  float top = -std::numeric_limits<float>::infinity(), nan_seen = 0.0f;
+#pragma omp simd reduction(max : top) reduction(+ : nan_seen)
+  for (int64_t i = 0; i < v; ++i) {
+    top = row[i] > top ? row[i] : top;
+    nan_seen += row[i] != row[i] ? 1.0f : 0.0f;
+  }
+  const bool nan = nan_seen != 0.0f;
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < v; ++i) total += exp_nonpositive(row[i] - top);
+  const float log_total = (nan || std::isinf(top)) ? std::numeric_limits<float>::quiet_NaN()
+                                                   : top + std::log(total);
+  // The k best by insertion: a later index enters only when it ranks strictly higher, so ties keep the
+  // lower index; NaN ranks above every number, as in torch.topk. A block of kLanes entries none of which
+  // ranks above the k-th best so far is skipped whole.
+  int64_t held = 0;
+  for (int64_t b = 0; b < v; b += kLanes) {
+    const int64_t b_end = b + kLanes < v ? b + kLanes : v;
+    if (held == k && !nan) {
+      bool any = false;
+      for (int64_t j = b; j < b_end; ++j) any |= row[j] > best[k - 1];
+      if (!any) continue;
+    }
+    for (int64_t j = b; j < b_end; ++j) {
+      const float x = row[j];
+      if (held == k && !ranks_above(x, best[k - 1])) continue;
+      int64_t slot = held < k ? held++ : k - 1;
+      while (slot > 0 && ranks_above(x, best[slot - 1])) {
+        best[slot] = best[slot - 1];
+        where[slot] = where[slot - 1];
+        --slot;
+      }
+      best[slot] = x;
+      where[slot] = j;
+    }
+  }
   for (int64_t j = 0; j < k; ++j) {
     scores[j] = best[j] - log_total;
     ids[j] = where[j];
