@@ -175,6 +175,14 @@ def verifier_matches_reference(module, generator: torch.Generator, trees: int = 
 DRAFT_OPS_NAME = "eagle_dropmatch_draft_ops"
 
 
+def sum_lanes() -> int:
+    """The floats per vector of torch's CPU sum (8: on x86 its sum kernel runs 8-float vectors even where torch
+    runs AVX512 code elsewhere; measured on AVX512 and AVX2 CPUs): what ``draft_ops``'s ``rms_norm`` needs to
+    sum a row's squares in torch's order (``cpu_norm``). Elsewhere the order may differ, which the norms'
+    check against torch finds."""
+    return 8
+
+
 @functools.cache
 def draft_ops():
     """The compiled module (``csrc/draft_ops.cpp``) whose ``rms_norm`` runs ``head.RMSNorm``, whose

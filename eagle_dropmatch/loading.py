@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .cpu_linear import amx_tiles, kernel_for, prepack_linears, threaded_layers
+from .cpu_norm import compile_rms_norms
 from .draft_model import DraftModelError, ModelDrafter, check_tokenizers
 from .drafters import Drafter, Eagle3Drafter
 from .dropmatch import DropMatchConfig, check_sample_rows, check_shortlist
@@ -149,6 +150,8 @@ class EagleModel:
         decoder: the engine over ``target``.
         draft: a draft causal LM sharing the tokenizer, or None.
         prepacked: how many linear layers run on packed weights (``cpu_linear``; 0 = none).
+        compiled_norms: how many of the target's RMSNorms run in one compiled call each (``cpu_norm``: the
+            same values as the stock modules, bit for bit; 0 = none).
         kernel: the kernel ``load`` packs with on this CPU ("onednn", "fp16" or "bf16", ``cpu_linear.kernel_for``),
             or None (stock layers); a layer it cannot serve exactly stays stock. It sets the default tree shape
             and DropMatch sample rows (``default_tree``, ``default_dropmatch_rows``), as ``gen`` predicts
@@ -162,6 +165,7 @@ class EagleModel:
     draft: object | None = None
     prepacked: int = 0
     kernel: str | None = None
+    compiled_norms: int = 0
 
     @property
     def native_gqa(self) -> bool:
@@ -483,6 +487,7 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
     draft_modules = [module for module in (head, draft) if module is not None]
     prepacked = (prepack_linears(target, kernel) + sum(prepack_linears(module, kernel, exact=False)
                                                        for module in draft_modules)) if kernel else 0
+    compiled_norms = compile_rms_norms(target)  # torch's values bit for bit, in one call each
     try:
         decoder = SpeculativeDecoder(target, aux, eos_ids(target, tokenizer))
         probe_plain_decoding(decoder)
@@ -497,7 +502,7 @@ def load(model_path: str | Path | None = None, ea_model_path: str | Path | None 
             check_forward_arguments(draft, ("position_ids",), "draft model")
     except ValueError as exc:
         raise LoadError(f"cannot decode {model_path} speculatively: {exc}") from None
-    return EagleModel(target, tokenizer, head, decoder, draft, prepacked, kernel)
+    return EagleModel(target, tokenizer, head, decoder, draft, prepacked, kernel, compiled_norms)
 
 
 def probe_plain_decoding(decoder: SpeculativeDecoder) -> None:

@@ -199,6 +199,7 @@ def main(argv=None) -> int:
               "variants": {n: " ".join(shlex.quote(x) for x in args.variant[i].partition("=")[2:])
                            for i, n in enumerate(names)},
               "prepacked_linears": {n: models[n].prepacked for n in names},
+              "compiled_norms": {n: models[n].compiled_norms for n in names},
               "kernels": {n: models[n].kernel for n in names},
               "table": table, f"identical_to_{names[0]}": identical,
               "answer_files": {n: str(out_dir / f"{n}.jsonl") for n in names}}
@@ -211,7 +212,8 @@ def main(argv=None) -> int:
                      f"{models[name].threaded} on all threads"
                      for name, v in variants.items()})
     print(f"{args.bench or qfile}: {len(questions)} questions x {args.turns} turn(s), {'/'.join(dtypes)}, "
-          f"{torch.get_num_threads()} threads, linear layers prepacked ({', '.join(packed)})")
+          f"{torch.get_num_threads()} threads, linear layers prepacked ({', '.join(packed)}), target norms compiled: "
+          f"{'/'.join(sorted({str(m.compiled_norms) for m in models.values()}))}")
     print(f"{'variant':24s}{'tokens':>8s}{'tok/s':>8s}{'speedup':>9s}{'med q':>7s}{'tau':>7s}{'exact tau':>10s}"
           f"{'tau/prev':>9s}{'tok/s/prev':>11s}{'agree':>7s}{'identical':>10s}")
     for name in names:

@@ -289,6 +289,7 @@ def main(argv=None) -> int:
     flips = rescale_flip_share(model, prompts)
     forward = forward_costs(model, prompts[0])
     result = {"settings": vars(args), "prepacked_linears": model.prepacked, "kernel": model.kernel,
+              "compiled_norms": model.compiled_norms,
               "native_gqa": model.native_gqa,
               "per_round_ms": table,
               "lm_head": costs, "rescale_flips": flips, "target_forward_ms": forward}
@@ -298,6 +299,7 @@ def main(argv=None) -> int:
     print_report(table, costs, f"per verification round, median over {len(questions)} questions ({args.dtype}, "
                  f"tree {args.total_token}/{args.depth}/{args.top_k}, {torch.get_num_threads()} threads, "
                  f"{model.prepacked} linear layers prepacked ({model.kernel or 'stock'}), "
+                 f"{model.compiled_norms} target norms compiled, "
                  f"{model.threaded} on all threads, attention {model.target.config._attn_implementation}):")
     for name, row in table.items():
         if "same_tokens_as_all_rows" in row:

@@ -8,7 +8,7 @@ import torch
 
 from eagle_dropmatch.drafters import Eagle3Drafter
 from eagle_dropmatch.extensions import (DRAFT_OPS_NAME, draft_ops, draft_ops_match_reference,
-                                        random_search_candidates)
+                                        random_search_candidates, sum_lanes)
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.head import DraftCache, RMSNorm
 from eagle_dropmatch.tree import draft_tree, select_tree, top_children
@@ -54,12 +54,13 @@ def test_the_heads_norm_runs_compiled_outside_autograd_only(module):
         norm.weight.copy_(torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5)
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
-        assert torch.equal(norm(x), module.rms_norm(x, norm.weight, 1e-5))
+        assert torch.equal(norm(x), module.rms_norm(x, norm.weight, 1e-5, sum_lanes()))
         assert torch.equal(norm(x.transpose(0, 1)), module.rms_norm(x.transpose(0, 1).contiguous(), norm.weight,
-                                                                       1e-5))  # any strides
+                                                                       1e-5, sum_lanes()))  # any strides
         fp32_norm = RMSNorm(64, 1e-5)
         fp32_norm.weight.copy_(norm.weight.float())
-        assert torch.equal(fp32_norm(x.float()), module.rms_norm(x.float(), fp32_norm.weight, 1e-5))
+        assert torch.equal(fp32_norm(x.float()), module.rms_norm(x.float(), fp32_norm.weight, 1e-5,
+                                                                     sum_lanes()))
     trained = norm(x)  # under autograd: torch's ops, which carry gradients
     assert trained.requires_grad and torch.equal(trained, llama_rms_norm(x, norm.weight, 1e-5))
 

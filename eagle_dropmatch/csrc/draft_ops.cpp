@@ -4,10 +4,11 @@
 // draft-vocabulary softmaxes. On a 2-core CPU most of that time is spent starting small tensor ops, not in
 // arithmetic: the head's RMSNorm alone is about ten ops (about 20 us) and runs thirteen times a round.
 //
-// rms_norm: weight * round(x * rsqrt(mean(x^2) + eps)), the Llama form of eagle_dropmatch.head.RMSNorm: the
-// normalisation in fp32, rounded to x's dtype, then scaled in that dtype. The mean of squares is summed in an
-// order of the compiler's (a vectorised reduction), so it may differ from torch's in its last bit; a drafter
-// only proposes tokens, so that changes no guarantee (the module is checked against torch within rounding).
+// rms_norm: weight * round(x * rsqrt(mean(x^2) + eps)), the Llama form of eagle_dropmatch.head.RMSNorm and of
+// transformers' RMSNorms: the normalisation in fp32, rounded to x's dtype, then scaled in that dtype. With
+// lanes > 0 the squares are summed in the order of torch's CPU sum over vectors of that many floats, which
+// gives torch's values bit for bit (eagle_dropmatch.cpu_norm checks it per norm before swapping a target's);
+// with lanes 0 in an order of the compiler's (a vectorised reduction, faster over long rows).
 //
 // topk_log_softmax: the k best log-probabilities of each row of logits and their indices, largest first, the
 // lower index first among equal values: torch.log_softmax(logits.float()).topk(k) without the [R, V]
@@ -45,6 +46,69 @@ float sum_of_squares(const T* row, int64_t n) {
     const float v = static_cast<float>(row[i]);
     total += v * v;
   }
+  return total;
+}
+
+// The sum of values[0, n) in the order of torch's sum over a contiguous fp32 row on the CPU (ATen's
+// vectorized_inner_sum, native/cpu/SumKernel.cpp) with vectors of `lanes` floats (8 on x86, where torch's
+// sum has no AVX512 variant: measured): the vectors summed into four accumulators (vector i into i % 4) through
+// up to four cascade levels, the leftover vectors into the first, the four added in order, then the scalar
+// tail and the lanes added one by one into a scalar; a row shorter than a vector as scalars in that scheme. So a norm that sums its squares this way gives torch's mean bit for bit
+// (checked at load against torch itself; where the order differs, the check fails and torch's ops run).
+constexpr int64_t kMaxLanes = 16;
+constexpr int64_t kIlp = 4;
+constexpr int64_t kLevels = 4;
+
+inline int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  int64_t bits = 0;
+  for (uint64_t v = static_cast<uint64_t>(x) - 1; v != 0; v >>= 1) ++bits;
+  return bits;
+}
+
+float torch_order_sum(const float* values, int64_t n, int64_t lanes) {
+  if (n < lanes) {
+    lanes = 1;  // a row shorter than a vector: torch sums it as scalars, in the same scheme (scalar_inner_sum)
+  }
+  float acc[kLevels][kIlp][kMaxLanes] = {};
+  const int64_t vectors = n / lanes, groups = vectors / kIlp;
+  auto add_group = [&](float* into, int64_t group) {  // acc[0][k] += vector group * 4 + k, for k < 4
+    for (int64_t k = 0; k < kIlp; ++k) {
+      const float* v = values + (group * kIlp + k) * lanes;
+      for (int64_t l = 0; l < lanes; ++l) into[k * kMaxLanes + l] += v[l];
+    }
+  };
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2(groups) / kLevels);
+  const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
+  int64_t i = 0;
+  while (i + level_step <= groups) {
+    for (int64_t j = 0; j < level_step; ++j, ++i) add_group(&acc[0][0][0], i);
+    for (int64_t j = 1; j < kLevels; ++j) {
+      for (int64_t k = 0; k < kIlp; ++k) {
+        for (int64_t l = 0; l < lanes; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.0f;
+        }
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < groups; ++i) add_group(&acc[0][0][0], i);
+  for (int64_t j = 1; j < kLevels; ++j) {
+    for (int64_t k = 0; k < kIlp; ++k) {
+      for (int64_t l = 0; l < lanes; ++l) acc[0][k][l] += acc[j][k][l];
+    }
+  }
+  float* partial = acc[0][0];
+  for (int64_t v = groups * kIlp; v < vectors; ++v) {
+    for (int64_t l = 0; l < lanes; ++l) partial[l] += values[v * lanes + l];
+  }
+  for (int64_t k = 1; k < kIlp; ++k) {
+    for (int64_t l = 0; l < lanes; ++l) partial[l] += acc[0][k][l];
+  }
+  float total = 0.0f;
+  for (int64_t e = vectors * lanes; e < n; ++e) total += values[e];
+  for (int64_t l = 0; l < lanes; ++l) total += partial[l];
   return total;
 }
 
@@ -91,21 +155,33 @@ inline bool ranks_above(float a, float b) {
 }
 
 // [..., H] (bf16, fp16 or fp32, contiguous, on the CPU) -> the same shape and dtype; weight: [H] in x's dtype.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes) {
   TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu() && x.is_contiguous() && x.size(-1) >= 1,
               "expected contiguous CPU x [..., H], got ", x.sizes());
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.scalar_type() == x.scalar_type() &&
               weight.is_contiguous() && weight.device().is_cpu(),
               "expected a contiguous CPU weight [H] in x's dtype, got ", weight.sizes(), " ", weight.scalar_type());
+  TORCH_CHECK(lanes >= 0 && lanes <= kMaxLanes, "lanes must be in [0, ", kMaxLanes, "], got ", lanes);
   const int64_t h = x.size(-1), rows = x.numel() / h;
   auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
+    std::vector<float> squares(lanes > 0 ? h : 0);
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* row = in + r * h;
-      const float mean = sum_of_squares(row, h) / static_cast<float>(h);
+      float total;
+      if (lanes > 0) {
+        for (int64_t i = 0; i < h; ++i) {
+          const float v = widen(row[i]);
+          squares[i] = v * v;
+        }
+        total = torch_order_sum(squares.data(), h, lanes);
+      } else {
+        total = sum_of_squares(row, h);
+      }
+      const float mean = total / static_cast<float>(h);
       const float scale = 1.0f / std::sqrt(mean + static_cast<float>(eps));
       for (int64_t i = 0; i < h; ++i) {
         const scalar_t normed = static_cast<scalar_t>(widen(row[i]) * scale);  // rounded to x's dtype
@@ -244,7 +320,8 @@ std::vector<at::Tensor> select_tree(const at::Tensor& cand_tokens, const at::Ten
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("rms_norm", &rms_norm, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+  module.def("rms_norm", &rms_norm, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
+             pybind11::arg("lanes") = 0);
   module.def("topk_log_softmax", &topk_log_softmax, pybind11::arg("logits"), pybind11::arg("k"));
   module.def("select_tree", &select_tree, pybind11::arg("cand_tokens"), pybind11::arg("cand_scores"),
              pybind11::arg("cand_parents"), pybind11::arg("root_token"), pybind11::arg("total_token"));
