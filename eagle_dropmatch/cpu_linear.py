@@ -185,6 +185,37 @@ def bf16_extension_matches(module, shapes=((1, 96, 200), (4, 576, 192), (7, 33, 
     return True
 
 
+SCREEN_MAX_BLOCKS = 64  # blocks of 16 outputs the screen may leave to compute; more: the row is computed in full
+
+
+@functools.cache
+def screen_works() -> bool:
+    """Whether the bf16 kernel's ``screened_argmax`` gives ``first_argmax`` of its full product on a check case
+    (random rows; rows whose best outputs tie exactly, from repeated weight rows, where the first must win;
+    a zero row; a limit of one block, which leaves rows open), or False (one line on stderr) where it does
+    not or there is no bf16 kernel. Cached per process."""
+    module = bf16_extension()
+    if module is None:
+        return False
+    from .acceptance import first_argmax
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(300, 97, generator=generator) * 0.05).to(torch.bfloat16)
+    weight[200:230] = weight[40:70]  # exact ties between outputs 40-69 and 200-229
+    x = torch.randn(12, 97, generator=generator).to(torch.bfloat16)
+    x[3] = 0  # every output 0: the first wins
+    x[4:8] = (weight[40:44].float() * 30).to(torch.bfloat16)  # rows whose maximum is a tied pair
+    packed = module.PackedBF16Linear(weight)
+    norm = float(torch.linalg.vector_norm(weight.float(), dim=-1).max())
+    expected = first_argmax(packed.forward(x, None))
+    screened, narrow = packed.screened_argmax(x, norm, 64), packed.screened_argmax(x, norm, 1)
+    ok = (torch.equal(screened, expected) and bool(((narrow == expected) | (narrow == -1)).all())
+          and bool((narrow == -1).any()))
+    if not ok:
+        print("eagle_dropmatch: the bf16 kernel's int8 screen differs from its full product here; DropMatch "
+              "scores its samples with the full product", file=sys.stderr, flush=True)
+    return ok
+
+
 def within_summation_bound(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a bf16 output is the fp32 product ``x @ weight.T + bias`` up to summing in another order: twice
     the bound on fp32 summation error (in_features x 2^-24 x the sum of |x w| over the row) plus one bf16
@@ -374,6 +405,28 @@ class PrepackedLinear(nn.Module):
         rows = torch.fbgemm_linear_fp16_weight(x.reshape(-1, shape[-1]).float(), self.packed,
                                                self.no_bias if bias is None else bias.float())
         return rows.to(torch.bfloat16).view(*shape[:-1], self.out_features)
+
+    def screened_argmax(self, x: torch.Tensor, max_row_norm: float) -> torch.Tensor | None:
+        """[P, in] -> int64 [P]: the index of each row's first maximum output, as ``first_argmax(self(x))``, from
+        the "bf16" kernel's int8 screen (``PackedBF16Linear.screened_argmax``: an int8 copy of the weight, half
+        its bytes, bounds which outputs can be the maximum, and only their blocks are computed, by the kernel's
+        own sums); -1 for a row the screen leaves open (the caller computes it in full). None where there is no
+        screen: another kernel, a bias, inputs that are not bf16 rows on the CPU, autograd, or a module that
+        fails ``screen_works``.
+
+        Args:
+            x: [P, in] rows.
+            max_row_norm: the largest |row| of the weight (``verify.TargetLMHead.max_row_norm``), for the
+                bound on the kernel's own rounding.
+        """
+        weight = self._parameters["weight"]
+        if (self.kernel != "bf16" or self._parameters["bias"] is not None or x.dtype is not torch.bfloat16
+                or not x.is_cpu or x.dim() != 2 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                or not screen_works()):
+            return None
+        if self.packed_from != (weight._version, weight.data_ptr()):
+            self.pack()
+        return self.packed.screened_argmax(x, max_row_norm, SCREEN_MAX_BLOCKS)
 
     def __getstate__(self):
         return {**self.__dict__, "packed": None, "packed_from": None}  # an opaque packed tensor cannot be copied

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -490,9 +491,29 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     sample, node = contested_samples(hidden, masks, tree, target_tokens, logits, lm_head, rescale, vocab_ids,
                                      compiled)  # [P], [P]
     if sample.shape[0]:
-        chosen = first_argmax(score(hidden[node] * masks[sample, node]))  # [P]
-        tokens[sample, node] = chosen if vocab_ids is None else vocab_ids[chosen]
+        inputs = hidden[node] * masks[sample, node]  # [P, H]
+        if vocab_ids is None:
+            tokens[sample, node] = sample_argmax(lm_head, inputs, score)
+        else:
+            tokens[sample, node] = vocab_ids[first_argmax(score(inputs))]
     return tokens, sample.shape[0]
+
+
+def sample_argmax(lm_head: TargetLMHead, inputs: torch.Tensor, score) -> torch.Tensor:
+    """[P, H] dropped inputs -> int64 [P]: each row's first maximum logit, ``first_argmax(score(inputs))``, through
+    the int8 screen of a packed bf16 LM head where it applies (``cpu_linear.PrepackedLinear.screened_argmax``:
+    the same tokens from about half the bytes of the weight; a row the screen leaves open is scored in full).
+    A head with a logit transform or a bias, or ``EAGLE_DROPMATCH_SCREEN=0``, scores every row in full."""
+    screen = getattr(getattr(lm_head, "linear", None), "screened_argmax", None)
+    if (screen is not None and getattr(lm_head, "rounding_steps", 0) == 1 and lm_head.bias is None
+            and os.environ.get("EAGLE_DROPMATCH_SCREEN", "1") != "0"):
+        chosen = screen(inputs, float(lm_head.max_row_norm()))
+        if chosen is not None:
+            open_rows = chosen < 0
+            if bool(open_rows.any()):  # a host sync, as the scoring's own
+                chosen[open_rows] = first_argmax(score(inputs[open_rows]))
+            return chosen
+    return first_argmax(score(inputs))
 
 
 CONTEST_EXTENSION_NAME = "eagle_dropmatch_contest"

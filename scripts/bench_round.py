@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -134,16 +135,21 @@ def rescale_flip_share(model, prompts: list[torch.Tensor], ps=(0.001, 0.01, 0.05
 @contextlib.contextmanager
 def contest_of(variant: str):
     """A variant named "... contest=python" runs as the engine does where the compiled contest is unavailable
-    (``dropmatch.contest_extension`` answers None inside the block); any other as it is."""
-    if not variant.endswith(" contest=python"):
-        yield
-        return
-    saved = dropmatch.contest_extension
-    dropmatch.contest_extension = lambda: None
+    (``dropmatch.contest_extension`` answers None inside the block), one named "... screen=off" scores its
+    samples with the full LM-head product (``EAGLE_DROPMATCH_SCREEN=0`` inside the block); any other as it is."""
+    saved, saved_screen = dropmatch.contest_extension, os.environ.get("EAGLE_DROPMATCH_SCREEN")
+    if " contest=python" in variant:
+        dropmatch.contest_extension = lambda: None
+    if variant.endswith(" screen=off"):
+        os.environ["EAGLE_DROPMATCH_SCREEN"] = "0"
     try:
         yield
     finally:
         dropmatch.contest_extension = saved
+        if saved_screen is None:
+            os.environ.pop("EAGLE_DROPMATCH_SCREEN", None)
+        else:
+            os.environ["EAGLE_DROPMATCH_SCREEN"] = saved_screen
 
 
 @contextlib.contextmanager
@@ -226,6 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--contest", nargs="+", default=["compiled"], choices=["compiled", "python"],
                    help="with rows contested: the compiled contest (csrc/dropmatch_contest.cpp, where it builds) "
                         "and/or the Python reference, one variant each, side by side")
+    p.add_argument("--screen", nargs="+", default=["on"], choices=["on", "off"],
+                   help="with rows contested: score the samples through the packed bf16 LM head's int8 screen "
+                        "(on, where it applies) and/or with the full product (off), one variant each, side by side")
     p.add_argument("--stock-sdpa", action="store_true",
                    help="also run EAGLE-3 with transformers' own SDPA (keys and values copied per query group under "
                         "the tree mask), side by side with the engine's native grouped heads (tree_attention)")
@@ -253,8 +262,10 @@ def main(argv=None) -> int:
                 for rows in args.rows:
                     label = name + (f" M={m}" if m else "") + ("" if rows == "all" else f" rows={rows}")
                     for contest in (args.contest if rows == "contested" else ["compiled"]):
-                        suffix = " contest=python" if contest == "python" else ""
-                        variants[label + suffix] = dict(base, dropmatch_shortlist=m, dropmatch_rows=rows)
+                        for screen in (args.screen if rows == "contested" else ["on"]):
+                            suffix = (" contest=python" if contest == "python" else "") + (
+                                " screen=off" if screen == "off" else "")
+                            variants[label + suffix] = dict(base, dropmatch_shortlist=m, dropmatch_rows=rows)
         model, questions = load_model_and_questions(args)
         args.total_token, args.depth, args.top_k = default_tree(model.kernel).with_given(
             args.total_token, args.depth, args.top_k)
@@ -280,9 +291,12 @@ def main(argv=None) -> int:
             answers[name].append(out.token_ids)
     table = round_table(per_question)
     for name in variants:  # the level-by-level rows decide as the stacked ones: on how many answers, measured
-        stacked = name.removesuffix(" contest=python").rsplit(" rows=", 1)[0]
+        stacked = name.removesuffix(" screen=off").removesuffix(" contest=python").rsplit(" rows=", 1)[0]
         if stacked != name and stacked in answers:
             table[name]["same_tokens_as_all_rows"] = sum(a == b for a, b in zip(answers[name], answers[stacked]))
+        screened = name.removesuffix(" screen=off")
+        if screened != name and screened in answers:  # the screen decides as the full product: measured
+            table[name]["same_tokens_as_screen"] = sum(a == b for a, b in zip(answers[name], answers[screened]))
     if STOCK_SDPA in answers:  # the same tokens through either attention, measured
         table[STOCK_SDPA]["same_tokens_as_eagle3"] = sum(a == b for a, b in zip(answers[STOCK_SDPA], answers["eagle3"]))
     costs = lm_head_costs(model.target.get_output_embeddings(), args.total_token, [1, 5, 10, 20, 30])
@@ -302,6 +316,9 @@ def main(argv=None) -> int:
                  f"{model.compiled_norms} target norms compiled, "
                  f"{model.threaded} on all threads, attention {model.target.config._attn_implementation}):")
     for name, row in table.items():
+        if "same_tokens_as_screen" in row:
+            print(f"{name}: the same tokens as with the screen on {row['same_tokens_as_screen']}/{len(questions)} "
+                  "questions")
         if "same_tokens_as_all_rows" in row:
             print(f"{name}: the same tokens as all rows on {row['same_tokens_as_all_rows']}/{len(questions)} "
                   "questions")

@@ -546,3 +546,123 @@ def test_load_packs_with_the_kernel_named(fp16_model_dir, kernel):
     assert len(ours.token_ids) > 0
     if kernel == "onednn":  # the stock arithmetic, bit for bit
         assert ours.token_ids == theirs.token_ids
+
+
+# ---------------------------------------------------------------- the bf16 kernel's int8 screen (DropMatch's scoring)
+
+def screen_case(outputs=1000, inputs=97, seed=0):
+    """(a packed bf16 weight, a function screening rows with it, rows): rows of inputs random, scaled, zero and
+    with outlier dimensions; with 660 outputs or more, rows 600-659 repeat rows 100-159 (exact ties) and rows
+    9-13 of the inputs peak at a tied pair."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(outputs, inputs, generator=gen) * 0.05).to(torch.bfloat16)
+    x = torch.randn(24, inputs, generator=gen) * torch.tensor([1.0, 10.0, 0.01, 40.0]).repeat(6)[:, None]
+    x[5] = 0
+    x[6:9, :3] *= 60
+    if outputs >= 660:
+        weight[600:660] = weight[100:160]
+        x[9:14] = weight[100:105].float() * 40
+    packed = cpu_linear.bf16_extension().PackedBF16Linear(weight)
+    norm = float(torch.linalg.vector_norm(weight.float(), dim=-1).max())
+    return packed, (lambda rows, max_blocks: packed.screened_argmax(rows, norm, max_blocks)), x.to(torch.bfloat16)
+
+
+@bf16
+def test_the_screen_passes_its_check():
+    assert cpu_linear.screen_works()
+
+
+@bf16
+@pytest.mark.parametrize("outputs,inputs", [(1000, 97), (49, 576), (2000, 64)])
+def test_the_screen_gives_the_full_products_first_argmax(outputs, inputs):
+    from eagle_dropmatch.acceptance import first_argmax
+    packed, screened, x = screen_case(outputs, inputs)
+    expected = first_argmax(packed.forward(x, None))
+    assert torch.equal(screened(x, 10 ** 6), expected)  # every row decided, the same index
+    some = screened(x, 2)
+    assert bool(((some == expected) | (some == -1)).all()) and bool((some >= 0).any())
+    assert bool((screened(x, 0) == -1).all())  # no block allowed: every row left open
+    if outputs == 1000:  # a tied pair's first index wins (rows 9-13 peak at outputs 100-104 and 600-604)
+        assert expected[9:14].tolist() == list(range(100, 105))
+
+
+@bf16
+def test_a_screen_that_picks_otherwise_is_not_used(monkeypatch, fresh_extension_probes, capsys):
+    real = cpu_linear.bf16_extension()
+
+    class OffByOne:
+        def __init__(self, weight):
+            self.inner = real.PackedBF16Linear(weight)
+
+        def forward(self, x, bias=None):
+            return self.inner.forward(x, bias)
+
+        def screened_argmax(self, x, max_row_norm, max_blocks):
+            out = self.inner.screened_argmax(x, max_row_norm, max_blocks)
+            return torch.where(out > 0, out - 1, out)
+
+    class Module:
+        PackedBF16Linear = OffByOne
+    monkeypatch.setattr(cpu_linear, "bf16_extension", lambda: Module())
+    assert not cpu_linear.screen_works()
+    assert "int8 screen differs" in capsys.readouterr().err
+
+
+@bf16
+def test_the_screen_leaves_rows_that_are_not_finite_open():
+    _, screened, x = screen_case()
+    x[2, 5] = float("inf")
+    x[3, 0] = float("nan")
+    out = screened(x, 10 ** 6)
+    assert out[2] == -1 and out[3] == -1 and bool((out[4:] >= 0).all())
+
+
+@bf16
+def test_a_prepacked_head_screens_only_where_it_can_and_follows_a_changed_weight():
+    from eagle_dropmatch.acceptance import first_argmax
+    linear = bf16_linear(96, 800, bias=False, fp16_values=False)
+    packed = PrepackedLinear(linear, "bf16")
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    norm = float(torch.linalg.vector_norm(linear.weight.detach().float(), dim=-1).max())
+    with torch.no_grad():
+        assert torch.equal(packed.screened_argmax(x, norm), first_argmax(packed(x)))
+        linear.weight.mul_(-1)  # the weight changes after packing: packed again, screen and all
+        assert torch.equal(packed.screened_argmax(x, 2 * norm), first_argmax(F.linear(x, linear.weight)))
+        assert packed.screened_argmax(x.float(), norm) is None  # fp32 rows
+        biased = PrepackedLinear(bf16_linear(96, 800, bias=True, fp16_values=False), "bf16")
+        assert biased.screened_argmax(x, norm) is None  # a bias: no screen
+    if onednn_packs_bf16():
+        assert PrepackedLinear(linear, "onednn").screened_argmax(x, norm) is None
+
+
+@bf16
+def test_dropmatch_scores_its_samples_through_the_screen_with_the_same_tokens(monkeypatch):
+    """A bf16 target whose LM head is packed for the bf16 kernel: contested DropMatch rows go through the screen
+    (here it is called), and the tokens and rounds are those of the full product and of stacking all rows."""
+    from eagle_dropmatch.drafters import Eagle3Drafter
+    from eagle_dropmatch.dropmatch import DropMatchConfig
+    from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
+    from conftest import tiny_head
+    target = tiny_target(seed=1, vocab=400).to(torch.bfloat16)
+    assert prepack_linears(target, "bf16") > 0
+    calls = []
+    real = PrepackedLinear.screened_argmax
+
+    def counting(self, x, max_row_norm):
+        calls.append(x.shape[0])
+        return real(self, x, max_row_norm)
+    monkeypatch.setattr(PrepackedLinear, "screened_argmax", counting)
+    engine = SpeculativeDecoder(target, [2, 4, 5])
+    gen = torch.Generator().manual_seed(3)
+    for i in range(3):
+        prompt = torch.randint(3, 400, (12,), generator=gen)
+        out = {}
+        for how, screen in (("contested", "1"), ("contested", "0"), ("all", "1")):
+            monkeypatch.setenv("EAGLE_DROPMATCH_SCREEN", screen)
+            cfg = DecodeConfig(max_new_tokens=24, seed=i, dropmatch=DropMatchConfig(k=5, p=0.3, rows=how))
+            out[how, screen] = engine.generate(prompt, Eagle3Drafter(tiny_head(target, seed=i).to(torch.bfloat16),
+                                                                     16, 4, 4), cfg)
+        first = out["contested", "1"]
+        for other in (out["contested", "0"], out["all", "1"]):
+            assert first.token_ids == other.token_ids and first.accept_lengths == other.accept_lengths
+    assert calls

@@ -21,7 +21,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cmath>
+#include <limits>
+#include <mutex>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -95,6 +99,16 @@ void tile_any(int rows, int blocks, const uint16_t* a, int64_t lda, const uint32
   }
 }
 
+// A float rounded to bf16 to nearest even (as round_to_bf16), back as a float: what the kernel's output holds.
+inline float bf16_rounded(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 class PackedBF16Linear {
  public:
   // weight: [out, in], any float dtype (rounded to bf16 as torch rounds it; a bf16 weight is kept as it is).
@@ -154,12 +168,180 @@ class PackedBF16Linear {
     return c.view(sizes);
   }
 
+  // The first maximum of each row's output (the index of forward(x)'s largest value, the lowest among equal
+  // ones), for rows x [P, in] without a bias, screened on an int8 copy of the weight (built at first call):
+  //   - each weight row j is s_j q_j (q_j int8, s_j = max |w_j| / 127: every entry within 0.5 s_j, a little
+  //     more for fp32's rounding), each input s_x q_x (q_x int16), so q_j . q_x is exact in int32 and
+  //     a_j = s_j s_x (q_j . q_x) is within e_j = 0.51 s_j |x|_1 + 0.51 s_x s_j |q_j|_1 of w_j . x, plus a
+  //     bound on the kernel's own fp32 sum (`sum_error`: 4 (in + 1) 2^-24 |x| times the largest row norm)
+  //     and a_j's rounding;
+  //   - an output whose a_j + e_j rounds (to bf16) below what the best a_i - e_i rounds to cannot be the row's
+  //     first maximum (rounding keeps order, so it rounds strictly below that output), so only the blocks of
+  //     16 outputs holding the others are computed, by the same tile as forward (the same sums, bit for bit),
+  //     and the first maximum taken among them.
+  // A row gets -1 where the screen leaves more than `max_blocks` blocks or meets a value that is not finite:
+  // the caller computes that row in full. The int8 copy streams half the bytes of the bf16 weight.
+  at::Tensor screened_argmax(const at::Tensor& x, double max_row_norm, int64_t max_blocks) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features_, "expected rows of width ", in_features_, ", got ",
+                x.sizes());
+    build_screen();
+    auto rows = x.to(at::kBFloat16).contiguous();
+    const int64_t m = rows.size(0);
+    auto result = at::full({m}, -1, at::TensorOptions().dtype(at::kLong));
+    const auto* rows_ptr = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
+    for (int64_t r = 0; r < m; r += kRows) {  // up to 4 rows share each int8 weight row read
+      const int n = static_cast<int>(std::min<int64_t>(kRows, m - r));
+      switch (n) {
+        case 1: screen_rows<1>(rows_ptr + r * in_features_, max_row_norm, max_blocks, result.data_ptr<int64_t>() + r); break;
+        case 2: screen_rows<2>(rows_ptr + r * in_features_, max_row_norm, max_blocks, result.data_ptr<int64_t>() + r); break;
+        case 3: screen_rows<3>(rows_ptr + r * in_features_, max_row_norm, max_blocks, result.data_ptr<int64_t>() + r); break;
+        default: screen_rows<4>(rows_ptr + r * in_features_, max_row_norm, max_blocks, result.data_ptr<int64_t>() + r); break;
+      }
+    }
+    return result;
+  }
+
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
 
  private:
+  // screened_argmax for R rows (bf16 bits, R x in) into result[0, R): -1 where undecided.
+  template <int R>
+  void screen_rows(const uint16_t* rows, double max_row_norm, int64_t max_blocks, int64_t* result) {
+    const int64_t out = out_features_, width = screen_width_;
+    // q_x in [-limit, limit], so that |q_j . q_x| <= 127 limit width < 2^31
+    const int64_t limit = std::min<int64_t>(32767, (int64_t{1} << 31) / (128 * std::max<int64_t>(width, 1)));
+    std::vector<int16_t> qx(R * width, 0);
+    float scale_x[R], weight_term[R], input_term[R], sum_error[R];
+    bool usable[R];
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* row = rows + r * in_features_;
+      std::vector<float> xf(in_features_);
+      float largest = 0.0f, l1 = 0.0f, l2 = 0.0f;
+      bool finite = true;
+      for (int64_t k = 0; k < in_features_; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(row[k]) << 16;
+        std::memcpy(&xf[k], &bits, sizeof(float));
+        finite = finite && std::isfinite(xf[k]);
+        largest = std::max(largest, std::fabs(xf[k]));
+        l1 += std::fabs(xf[k]);
+        l2 += xf[k] * xf[k];
+      }
+      usable[r] = finite;
+      scale_x[r] = largest > 0.0f ? largest / static_cast<float>(limit) : 1.0f;
+      for (int64_t k = 0; finite && k < in_features_; ++k) {
+        qx[r * width + k] = static_cast<int16_t>(std::lrint(xf[k] / scale_x[r]));
+      }
+      // |x|_1 and |x|_2 summed in fp32: inflated by (1 + (in + 2) 2^-23) to bound them from above
+      const float inflate = 1.0f + static_cast<float>(in_features_ + 2) * 1.2e-7f;
+      weight_term[r] = 0.51f * l1 * inflate;
+      input_term[r] = 0.51f * scale_x[r];
+      sum_error[r] = static_cast<float>(4.0 * (in_features_ + 1) * std::ldexp(1.0, -24) *
+                                        std::sqrt(static_cast<double>(l2) * inflate) * max_row_norm);
+    }
+    std::vector<float> upper(R * out);
+    const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+    std::vector<float> best_lower(threads * R, -std::numeric_limits<float>::infinity());
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t first = out * t / threads, last = out * (t + 1) / threads;
+        float best[R];
+        for (int r = 0; r < R; ++r) best[r] = -std::numeric_limits<float>::infinity();
+        for (int64_t j = first; j < last; ++j) {
+          const int8_t* q = screen_q_.data() + j * width;
+          __m512i acc[R];
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+          for (int64_t k = 0; k < width; k += 32) {
+            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k)));
+            for (int r = 0; r < R; ++r) {
+              acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(
+                  w, _mm512_loadu_si512(static_cast<const void*>(qx.data() + r * width + k))));
+            }
+          }
+          for (int r = 0; r < R; ++r) {
+            const float approx = (static_cast<float>(_mm512_reduce_add_epi32(acc[r])) * scale_x[r]) * screen_scale_[j];
+            const float error = screen_scale_[j] * (weight_term[r] + input_term[r] * screen_l1_[j]) + sum_error[r] +
+                                std::fabs(approx) * 4.8e-7f + 1e-30f;
+            upper[r * out + j] = approx + error;
+            best[r] = std::max(best[r], approx - error);
+          }
+        }
+        for (int r = 0; r < R; ++r) best_lower[t * R + r] = best[r];
+      }
+    });
+    const int64_t lda = pairs_, wstride = pairs_ * kBlock;
+    const auto* w_ptr = reinterpret_cast<const uint32_t*>(packed_.data_ptr<at::BFloat16>());
+    std::vector<uint16_t> a(2 * pairs_, 0), c(kBlock);
+    std::vector<int64_t> blocks;
+    for (int r = 0; r < R; ++r) {
+      float lower = -std::numeric_limits<float>::infinity();
+      for (int t = 0; t < threads; ++t) lower = std::max(lower, best_lower[t * R + r]);
+      if (!usable[r] || !std::isfinite(lower)) continue;
+      // an output whose bound rounds below what the best lower bound rounds to cannot be the first maximum
+      const float floor = bf16_rounded(lower);
+      blocks.clear();
+      for (int64_t j = 0; j < out && static_cast<int64_t>(blocks.size()) <= max_blocks; ++j) {
+        if (bf16_rounded(upper[r * out + j]) >= floor && (blocks.empty() || blocks.back() != j / kBlock)) {
+          blocks.push_back(j / kBlock);
+        }
+      }
+      if (static_cast<int64_t>(blocks.size()) > max_blocks) continue;
+      // the candidate blocks by forward's own tile (the same sums), in increasing order: the first maximum
+      std::memcpy(a.data(), rows + r * in_features_, in_features_ * sizeof(uint16_t));
+      float best_value = -std::numeric_limits<float>::infinity();
+      int64_t best_index = -1;
+      bool finite = true;
+      for (const int64_t b : blocks) {
+        const int64_t col = b * kBlock, valid = std::min<int64_t>(kBlock, out - col);
+        tile<1, 1>(a.data(), lda, w_ptr + b * wstride, wstride, pairs_, c.data(), kBlock, valid, nullptr);
+        for (int64_t i = 0; i < valid; ++i) {
+          const uint32_t bits = static_cast<uint32_t>(c[i]) << 16;
+          float v;
+          std::memcpy(&v, &bits, sizeof v);
+          finite = finite && std::isfinite(v);
+          if (v > best_value) {
+            best_value = v;
+            best_index = col + i;
+          }
+        }
+      }
+      result[r] = finite ? best_index : -1;
+    }
+  }
+
+  // The int8 copy of the weight for screened_argmax: rows of screen_width_ (in, rounded up to 32, zeros after),
+  // each row's scale and the sum of its |q|. Made from packed_ at the first call.
+  void build_screen() {
+    std::call_once(screen_once_, [this] {
+      screen_width_ = (in_features_ + 31) / 32 * 32;
+      screen_q_.assign(out_features_ * screen_width_, 0);
+      screen_scale_.assign(out_features_, 0.0f);
+      screen_l1_.assign(out_features_, 0.0f);
+      const auto weight = packed_.permute({0, 2, 1, 3}).reshape({blocks_ * kBlock, pairs_ * 2})
+                              .narrow(0, 0, out_features_).narrow(1, 0, in_features_).to(at::kFloat).contiguous();
+      const float* w = weight.data_ptr<float>();
+      for (int64_t j = 0; j < out_features_; ++j) {
+        float largest = 0.0f;
+        for (int64_t k = 0; k < in_features_; ++k) largest = std::max(largest, std::fabs(w[j * in_features_ + k]));
+        const float scale = largest > 0.0f ? largest / 127.0f : 1.0f;
+        float l1 = 0.0f;
+        for (int64_t k = 0; k < in_features_; ++k) {
+          const long q = std::lrint(w[j * in_features_ + k] / scale);
+          screen_q_[j * screen_width_ + k] = static_cast<int8_t>(std::max(-127L, std::min(127L, q)));
+          l1 += std::fabs(static_cast<float>(screen_q_[j * screen_width_ + k]));
+        }
+        screen_scale_[j] = scale;
+        screen_l1_[j] = l1;  // an integer below 2^24: exact
+      }
+    });
+  }
+
   int64_t in_features_ = 0, out_features_ = 0, pairs_ = 0, blocks_ = 0;
   at::Tensor packed_;
+  std::once_flag screen_once_;
+  int64_t screen_width_ = 0;
+  std::vector<int8_t> screen_q_;
+  std::vector<float> screen_scale_, screen_l1_;
 };
 
 }  // namespace
@@ -169,6 +351,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const at::Tensor&>(), pybind11::arg("weight"))
       .def("forward", &PackedBF16Linear::forward, pybind11::arg("x"), pybind11::arg("bias") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("screened_argmax", &PackedBF16Linear::screened_argmax, pybind11::arg("x"), pybind11::arg("max_row_norm"),
+           pybind11::arg("max_blocks"), pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("in_features", &PackedBF16Linear::in_features)
       .def_property_readonly("out_features", &PackedBF16Linear::out_features);
 }
