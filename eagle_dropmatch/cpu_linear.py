@@ -420,9 +420,9 @@ class PrepackedLinear(nn.Module):
                 bound on the kernel's own rounding.
         """
         weight = self._parameters["weight"]
+        grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if (self.kernel != "bf16" or self._parameters["bias"] is not None or x.dtype is not torch.bfloat16
-                or not x.is_cpu or x.dim() != 2 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                or not screen_works()):
+                or not x.is_cpu or x.dim() != 2 or grads or not screen_works()):
             return None
         if self.packed_from != (weight._version, weight.data_ptr()):
             self.pack()

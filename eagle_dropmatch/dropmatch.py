@@ -40,8 +40,10 @@ one call (``contest_extension``, ``csrc/dropmatch_contest.cpp``). ``contested_sa
 samples in one product: the path is that of "all", from about 0.6 rows per round on SmolLM2 at p = 0.3 where "all" computes 16.6 and "reachable" 8. The other
 samples' tokens stay unknown, so agreement is not measured. The rounds that do score a row (about 26% of them
 at least: those where a sample really accepts a child that could change the path; 29% are scored) still pay
-a pass over W, which no bound avoids here (dropout at p = 0.3 moves a logit by far more than the gaps
-between the best tokens).
+a scan of W: no bound from the undropped logits avoids it (dropout at p = 0.3 moves a logit by far more than
+the gaps between the best tokens). Where the LM head runs on the package's bf16 kernel, ``sample_argmax`` scans
+an int8 copy of W instead (half the bytes) and computes exactly only the few blocks of logits that bounds on
+that scan leave (``cpu_linear.PrepackedLinear.screened_argmax``): the same tokens.
 
 With ``shortlist`` M > 0 (the match rule at T = 0 only) the samples skip that matmul: their logits are
 computed after it, over a shortlist of token ids (``shortlist_ids``: each decision node's M best undropped

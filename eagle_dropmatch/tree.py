@@ -143,8 +143,13 @@ def top_children(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 @torch.no_grad()
 def draft_tree(head: Eagle3Head, cache: DraftCache, last_hidden: torch.Tensor, root_token: torch.Tensor,
-               next_position: int, total_token: int, depth: int, top_k: int) -> DraftTree:
+               next_position: int, total_token: int, depth: int, top_k: int, prune: bool | None = None) -> DraftTree:
     """Grow a dynamic tree from the head's output at the last committed position.
+
+    A level is not grown when no candidate below the frontier could be kept: each scores at most its frontier
+    ancestor, so once the ``total_token - 1``-th best score so far is at least the best frontier score, the
+    deeper levels add nothing to the tree (a later candidate that ties loses to the earlier one). The tree is
+    the one growing every level gives, without that level's head step and LM-head pass.
 
     Args:
         head: the EAGLE-3 head.
@@ -153,12 +158,15 @@ def draft_tree(head: Eagle3Head, cache: DraftCache, last_hidden: torch.Tensor, r
         root_token: [1] the last committed token (not yet in the target's cache).
         next_position: draft position of the first tree input (= number of context pairs).
         total_token, depth, top_k: tree shape N, D, K.
+        prune: stop growing once no deeper candidate can be kept (a host read per level); None: on the CPU
+            only, where that read costs microseconds.
 
     Returns:
         The selected DraftTree with N <= total_token nodes.
     """
     context_len = len(cache)
     device = last_hidden.device
+    prune = device.type == "cpu" if prune is None else prune
     scores, draft_ids = top_children(head.logits(last_hidden[0, -1:]), top_k)  # [1, K]
     scores, tokens = scores[0], head.to_target_ids(draft_ids[0])  # [K]
     all_tokens, all_scores = [tokens], [scores]
@@ -168,7 +176,10 @@ def draft_tree(head: Eagle3Head, cache: DraftCache, last_hidden: torch.Tensor, r
     frontier_scores, frontier_tokens = scores, tokens
     tree_seen = torch.zeros(top_k, 0, dtype=torch.bool, device=device)  # frontier x tree entries
     n_cands = top_k
+    keep = total_token - 1  # candidates the tree keeps besides the root
     for level in range(1, depth):
+        if prune and n_cands >= keep and bool(frontier_scores.max() <= torch.cat(all_scores).topk(keep).values[-1]):
+            break  # no deeper candidate can be kept: each scores at most its frontier ancestor (ties go to earlier)
         # Feed the K frontier nodes: each sees the context, its expanded ancestors and itself.
         tree_seen = torch.cat([tree_seen, torch.eye(top_k, dtype=torch.bool, device=device)], dim=1)
         mask = torch.cat([torch.ones(top_k, context_len, dtype=torch.bool, device=device), tree_seen], 1)

@@ -165,6 +165,34 @@ def test_draft_tree_shape_and_restores_the_cache(target, shape):
     assert torch.equal(rebuilt.ancestors, tree.ancestors) and torch.equal(rebuilt.depths, tree.depths)
 
 
+@pytest.mark.parametrize("shape", [(4, 3, 3), (3, 4, 2), (2, 3, 3), (6, 4, 3), (8, 3, 2), (32, 5, 8)])
+def test_a_pruned_tree_search_keeps_the_tree_of_the_full_one(target, shape):
+    """Levels below which no candidate could be kept are not grown (on the CPU by default): the same tree,
+    every tensor, from fewer head steps where the best candidates so far outscore the whole frontier."""
+    n, depth, k = shape
+    steps = {True: 0, False: 0}
+    for seed in range(12):
+        head = tiny_head(target, seed=seed, draft_vocab=40, std=(0.05, 0.3, 1.0)[seed % 3])
+        gen = torch.Generator().manual_seed(seed)
+        trees = {}
+        for prune in (True, False):
+            cache = DraftCache()
+            hidden = head(torch.randn(1, 6, 192, generator=gen), torch.randint(0, 96, (1, 6), generator=gen),
+                          torch.arange(6)[None], cache)
+            calls = []
+            hook = head.register_forward_hook(lambda *_: calls.append(1))
+            trees[prune] = draft_tree(head, cache, hidden[:, -1:], torch.tensor([7]), 6, n, depth, k, prune=prune)
+            hook.remove()
+            steps[prune] += len(calls)
+            assert len(cache) == 6
+            gen = torch.Generator().manual_seed(seed)  # the same context for both searches
+        for name in ("tokens", "parents", "depths", "ancestors", "has_children"):
+            assert torch.equal(getattr(trees[True], name), getattr(trees[False], name))
+    assert steps[False] == 12 * (depth - 1)
+    if n - 1 < k * (1 + k):  # a small tree: some searches stop early
+        assert steps[True] < steps[False]
+
+
 def test_a_tree_moves_whole_to_the_targets_device():
     """The engine moves a proposed tree to the target's device (a drafter on the CPU, a GPU target): every
     tensor goes, the flags stay, and a tree already there is returned as is."""
