@@ -6,7 +6,8 @@ Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5; p=0.3 by default, several wi
 --protect 0 auto``; each also with its samples scored over a shortlist with ``--shortlist M``, and level by
 level at reached nodes only with ``--rows all reachable``) on the same MT-Bench prompts, interleaved question
 by question; ``--rows ... contested``: only the samples a child may win, judged by the compiled contest and,
-with ``--contest compiled python``, also by the Python reference), and prints the mean milliseconds per
+with ``--contest compiled python``, also by the Python reference, and with ``--screen on off`` scored through the
+packed LM head's int8 screen and with the full product), and prints the mean milliseconds per
 round in each section (medians over questions) and the
 DropMatch sample rows computed per round. Those rows share the undropped rows' LM-head matmul (or, with a
 shortlist or level by level, are scored after it, in "dropmatch"), so part of DropMatch's cost may be inside
