@@ -6,7 +6,8 @@ A transformers RMSNorm of the Llama form (Llama, Qwen2, Qwen3 and its per-head q
 
 is about eight small tensor ops, and on a CPU each costs microseconds to start whatever its rows: on a 2-core
 Zen 4 one norm of SmolLM2 (576 wide, 1 to 4 rows, bf16) took 21-26 us, and a forward of its 30 layers runs 61
-of them (two a layer and the final one), over 1.2 ms of a 17-20 ms forward. ``CompiledRMSNorm`` makes one call
+of them (two a layer and the final one): with them compiled, a one-token forward took 15.13 instead of 17.41 ms
+(side by side, medians). ``CompiledRMSNorm`` makes one call
 instead (``extensions.draft_ops``'s ``rms_norm``: 2-3 us) that computes the same operations in the same order:
 the squares summed in the order of torch's CPU sum (its cascade of four accumulators over 8-float vectors,
 ``extensions.sum_lanes``), divided by the width, the reciprocal square root as ``1 / sqrt``, the product
