@@ -411,8 +411,8 @@ class PrepackedLinear(nn.Module):
         the "bf16" kernel's int8 screen (``PackedBF16Linear.screened_argmax``: an int8 copy of the weight, half
         its bytes, bounds which outputs can be the maximum, and only their blocks are computed, by the kernel's
         own sums); -1 for a row the screen leaves open (the caller computes it in full). None where there is no
-        screen: another kernel, a bias, inputs that are not bf16 rows on the CPU, autograd, or a module that
-        fails ``screen_works``.
+        screen: another kernel, a bias, inputs that are not bf16 rows on the CPU, autograd, a module that fails
+        ``screen_works``, or ``EAGLE_DROPMATCH_SCREEN=0`` (read at each call, so a benchmark can switch it).
 
         Args:
             x: [P, in] rows.
@@ -422,7 +422,8 @@ class PrepackedLinear(nn.Module):
         weight = self._parameters["weight"]
         grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if (self.kernel != "bf16" or self._parameters["bias"] is not None or x.dtype is not torch.bfloat16
-                or not x.is_cpu or x.dim() != 2 or grads or not screen_works()):
+                or not x.is_cpu or x.dim() != 2 or grads or os.environ.get("EAGLE_DROPMATCH_SCREEN", "1") == "0"
+                or not screen_works()):
             return None
         if self.packed_from != (weight._version, weight.data_ptr()):
             self.pack()

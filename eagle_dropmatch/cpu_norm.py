@@ -10,7 +10,7 @@ of them (two a layer and the final one): with them compiled, a one-token forward
 (side by side, medians). ``CompiledRMSNorm`` makes one call
 instead (``extensions.draft_ops``'s ``rms_norm``: 2-3 us) that computes the same operations in the same order:
 the squares summed in the order of torch's CPU sum (its cascade of four accumulators over 8-float vectors,
-``extensions.sum_lanes``), divided by the width, the reciprocal square root as ``1 / sqrt``, the product
+``extensions.TORCH_SUM_LANES``), divided by the width, the reciprocal square root as ``1 / sqrt``, the product
 rounded to x's dtype, then scaled in that dtype. So its outputs are the stock module's bit for bit (measured:
 all 2.95 M outputs of SmolLM2's norms over a 32-token answer; tested on random rows of many widths): the
 target's tokens do not change, in any dtype, so plain decoding, EAGLE-3 and the exactness tests are unaffected.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .extensions import draft_ops, sum_lanes
+from .extensions import TORCH_SUM_LANES, draft_ops
 
 COMPILED_DTYPES = (torch.bfloat16, torch.float32)
 MAX_COMPILED_ROWS = 32  # longer inputs (a prefill) run torch's ops, which split rows between threads
@@ -58,7 +58,7 @@ class CompiledRMSNorm(nn.Module):
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
             ops = draft_ops()
             if ops is not None:
-                return ops.rms_norm(x.contiguous(), weight, self.eps, sum_lanes())
+                return ops.rms_norm(x.contiguous(), weight, self.eps, TORCH_SUM_LANES)
         return llama_rms_norm(x, weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -92,7 +92,7 @@ def same_as_compiled(module: nn.Module, eps: float, rows: int = 8) -> bool:
     x = (torch.randn(3, rows, weight.shape[0], generator=generator) * scales).to(weight.dtype)
     with torch.no_grad():
         expected = module(x)
-        ours = draft_ops().rms_norm(x, weight, eps, sum_lanes())
+        ours = draft_ops().rms_norm(x, weight, eps, TORCH_SUM_LANES)
     return expected.dtype == ours.dtype and torch.equal(expected, ours)
 
 

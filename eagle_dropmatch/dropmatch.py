@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -505,10 +504,10 @@ def sample_argmax(lm_head: TargetLMHead, inputs: torch.Tensor, score) -> torch.T
     """[P, H] dropped inputs -> int64 [P]: each row's first maximum logit, ``first_argmax(score(inputs))``, through
     the int8 screen of a packed bf16 LM head where it applies (``cpu_linear.PrepackedLinear.screened_argmax``:
     the same tokens from about half the bytes of the weight; a row the screen leaves open is scored in full).
-    A head with a logit transform or a bias, or ``EAGLE_DROPMATCH_SCREEN=0``, scores every row in full."""
+    A head with a logit transform scores every row in full (as one the screen does not serve: a bias, another
+    kernel, ``EAGLE_DROPMATCH_SCREEN=0``)."""
     screen = getattr(getattr(lm_head, "linear", None), "screened_argmax", None)
-    if (screen is not None and getattr(lm_head, "rounding_steps", 0) == 1 and lm_head.bias is None
-            and os.environ.get("EAGLE_DROPMATCH_SCREEN", "1") != "0"):
+    if screen is not None and getattr(lm_head, "rounding_steps", 0) == 1:
         chosen = screen(inputs, float(lm_head.max_row_norm()))
         if chosen is not None:
             open_rows = chosen < 0

@@ -175,12 +175,10 @@ def verifier_matches_reference(module, generator: torch.Generator, trees: int = 
 DRAFT_OPS_NAME = "eagle_dropmatch_draft_ops"
 
 
-def sum_lanes() -> int:
-    """The floats per vector of torch's CPU sum (8: on x86 its sum kernel runs 8-float vectors even where torch
-    runs AVX512 code elsewhere; measured on AVX512 and AVX2 CPUs): what ``draft_ops``'s ``rms_norm`` needs to
-    sum a row's squares in torch's order (``cpu_norm``). Elsewhere the order may differ, which the norms'
-    check against torch finds."""
-    return 8
+# The floats per vector of torch's CPU sum: on x86 its sum kernel runs 8-float vectors even where torch runs AVX512
+# code elsewhere (measured). ``draft_ops``'s ``rms_norm`` sums a row's squares in that order (``cpu_norm``);
+# where torch sums otherwise, the norms' check against torch finds it.
+TORCH_SUM_LANES = 8
 
 
 @functools.cache
@@ -198,19 +196,19 @@ def draft_ops():
 
 
 def draft_ops_match_reference(module) -> bool:
-    """Whether ``module``'s ``rms_norm`` gives the Llama RMSNorm of random bf16 and fp32 rows (tiny to large
-    scales, odd widths) within 4 units in the last place of the output's dtype, and its ``topk_log_softmax``
+    """Whether ``module``'s ``rms_norm`` gives the Llama RMSNorm (``cpu_norm.llama_rms_norm``) of random bf16 and
+    fp32 rows (tiny to large scales, odd widths) within 4 units in the last place of the output's dtype, and its ``topk_log_softmax``
     the indices of ``log_softmax(x.float()).topk(k)`` on rows without ties and its log-probabilities within
     1e-4 (also for rows holding -inf), the lower index first where values tie, and its ``select_tree`` the
     Python's trees exactly (``select_tree_matches_reference``)."""
+    from .cpu_norm import llama_rms_norm
     generator = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for width in (1, 7, 64, 577):
             weight = (torch.rand(width, generator=generator) + 0.5).to(dtype)
             x = (torch.randn(3, 5, width, generator=generator)
                  * torch.tensor([1e-3, 1.0, 40.0])[:, None, None]).to(dtype)
-            xf = x.float()
-            expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+            expected = llama_rms_norm(x, weight, 1e-5)
             ours = module.rms_norm(x, weight, 1e-5)
             ulp = 4 * torch.finfo(dtype).eps * expected.float().abs().clamp(min=torch.finfo(dtype).tiny)
             if ours.dtype != dtype or not bool(((ours.float() - expected.float()).abs() <= ulp).all()):

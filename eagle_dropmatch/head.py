@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .extensions import draft_ops, sum_lanes
+from .extensions import TORCH_SUM_LANES, draft_ops
 
 
 class HeadError(ValueError):
@@ -116,12 +116,12 @@ class RMSNorm(nn.Module):
         ``F.rms_norm``, which gives the values of x * rsqrt(mean(x^2) + eps) in fewer ops (tested bit for bit).
         On the CPU outside autograd, in one call to the compiled ``extensions.draft_ops`` where it is available
         (about 1.5 instead of 17 us, thirteen times a round), which sums the squares in torch's order
-        (``extensions.sum_lanes``; ``cpu_norm`` measures it bit for bit) and is checked within rounding."""
+        (``extensions.TORCH_SUM_LANES``; ``cpu_norm`` measures it bit for bit) and is checked within rounding."""
         weight = self.weight
         if x.is_cpu and x.dtype == weight.dtype and not torch.is_grad_enabled():
             ops = draft_ops()
             if ops is not None:
-                return ops.rms_norm(x.contiguous(), weight, self.eps, sum_lanes())
+                return ops.rms_norm(x.contiguous(), weight, self.eps, TORCH_SUM_LANES)
         return weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 

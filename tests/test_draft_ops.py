@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle_dropmatch.cpu_norm import llama_rms_norm
 from eagle_dropmatch.drafters import Eagle3Drafter
 from eagle_dropmatch.extensions import (DRAFT_OPS_NAME, draft_ops, draft_ops_match_reference,
-                                        random_search_candidates, sum_lanes)
+                                        random_search_candidates, TORCH_SUM_LANES)
 from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
 from eagle_dropmatch.head import DraftCache, RMSNorm
 from eagle_dropmatch.tree import draft_tree, select_tree, top_children
@@ -23,11 +24,6 @@ def module():
     compiled = draft_ops()
     assert compiled is not None, "the compiled drafting ops should build here"
     return compiled
-
-
-def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def test_the_compiled_drafting_ops_pass_their_check(module):
@@ -54,13 +50,13 @@ def test_the_heads_norm_runs_compiled_outside_autograd_only(module):
         norm.weight.copy_(torch.rand(64, generator=torch.Generator().manual_seed(1)) + 0.5)
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
-        assert torch.equal(norm(x), module.rms_norm(x, norm.weight, 1e-5, sum_lanes()))
+        assert torch.equal(norm(x), module.rms_norm(x, norm.weight, 1e-5, TORCH_SUM_LANES))
         assert torch.equal(norm(x.transpose(0, 1)), module.rms_norm(x.transpose(0, 1).contiguous(), norm.weight,
-                                                                       1e-5, sum_lanes()))  # any strides
+                                                                       1e-5, TORCH_SUM_LANES))  # any strides
         fp32_norm = RMSNorm(64, 1e-5)
         fp32_norm.weight.copy_(norm.weight.float())
         assert torch.equal(fp32_norm(x.float()), module.rms_norm(x.float(), fp32_norm.weight, 1e-5,
-                                                                     sum_lanes()))
+                                                                     TORCH_SUM_LANES))
     trained = norm(x)  # under autograd: torch's ops, which carry gradients
     assert trained.requires_grad and torch.equal(trained, llama_rms_norm(x, norm.weight, 1e-5))
 

@@ -5,10 +5,9 @@
 // arithmetic: the head's RMSNorm alone is about ten ops (about 20 us) and runs thirteen times a round.
 //
 // rms_norm: weight * round(x * rsqrt(mean(x^2) + eps)), the Llama form of eagle_dropmatch.head.RMSNorm and of
-// transformers' RMSNorms: the normalisation in fp32, rounded to x's dtype, then scaled in that dtype. With
-// lanes > 0 the squares are summed in the order of torch's CPU sum over vectors of that many floats, which
-// gives torch's values bit for bit (eagle_dropmatch.cpu_norm checks it per norm before swapping a target's);
-// with lanes 0 in an order of the compiler's (a vectorised reduction, faster over long rows).
+// transformers' RMSNorms: the normalisation in fp32, rounded to x's dtype, then scaled in that dtype. The
+// squares are summed in the order of torch's CPU sum over vectors of `lanes` floats (8 on x86), which gives
+// torch's values bit for bit (eagle_dropmatch.cpu_norm checks it per norm before swapping a target's).
 //
 // topk_log_softmax: the k best log-probabilities of each row of logits and their indices, largest first, the
 // lower index first among equal values: torch.log_softmax(logits.float()).topk(k) without the [R, V]
@@ -36,18 +35,6 @@ constexpr int kLanes = 16;
 
 template <typename T>
 inline float widen(T value) { return static_cast<float>(value); }
-
-// Sum of squares of row[0, n) (an omp simd reduction: its order is fixed by the build, not by torch).
-template <typename T>
-float sum_of_squares(const T* row, int64_t n) {
-  float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(row[i]);
-    total += v * v;
-  }
-  return total;
-}
 
 // The sum of values[0, n) in the order of torch's sum over a contiguous fp32 row on the CPU (ATen's
 // vectorized_inner_sum, native/cpu/SumKernel.cpp) with vectors of `lanes` floats (8 on x86, where torch's
@@ -161,27 +148,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.scalar_type() == x.scalar_type() &&
               weight.is_contiguous() && weight.device().is_cpu(),
               "expected a contiguous CPU weight [H] in x's dtype, got ", weight.sizes(), " ", weight.scalar_type());
-  TORCH_CHECK(lanes >= 0 && lanes <= kMaxLanes, "lanes must be in [0, ", kMaxLanes, "], got ", lanes);
+  TORCH_CHECK(lanes >= 1 && lanes <= kMaxLanes, "lanes must be in [1, ", kMaxLanes, "], got ", lanes);
   const int64_t h = x.size(-1), rows = x.numel() / h;
   auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    std::vector<float> squares(lanes > 0 ? h : 0);
+    std::vector<float> squares(h);
     for (int64_t r = 0; r < rows; ++r) {
       const scalar_t* row = in + r * h;
-      float total;
-      if (lanes > 0) {
-        for (int64_t i = 0; i < h; ++i) {
-          const float v = widen(row[i]);
-          squares[i] = v * v;
-        }
-        total = torch_order_sum(squares.data(), h, lanes);
-      } else {
-        total = sum_of_squares(row, h);
+      for (int64_t i = 0; i < h; ++i) {
+        const float v = widen(row[i]);
+        squares[i] = v * v;
       }
-      const float mean = total / static_cast<float>(h);
+      const float mean = torch_order_sum(squares.data(), h, lanes) / static_cast<float>(h);
       const float scale = 1.0f / std::sqrt(mean + static_cast<float>(eps));
       for (int64_t i = 0; i < h; ++i) {
         const scalar_t normed = static_cast<scalar_t>(widen(row[i]) * scale);  // rounded to x's dtype
@@ -321,7 +302,7 @@ std::vector<at::Tensor> select_tree(const at::Tensor& cand_tokens, const at::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm", &rms_norm, pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"),
-             pybind11::arg("lanes") = 0);
+             pybind11::arg("lanes") = 8);
   module.def("topk_log_softmax", &topk_log_softmax, pybind11::arg("logits"), pybind11::arg("k"));
   module.def("select_tree", &select_tree, pybind11::arg("cand_tokens"), pybind11::arg("cand_scores"),
              pybind11::arg("cand_parents"), pybind11::arg("root_token"), pybind11::arg("total_token"));
