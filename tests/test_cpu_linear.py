@@ -25,12 +25,13 @@ def can_build_extensions() -> bool:
 
 
 def avx512_bf16_here() -> bool:
-    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return check is not None and check()
+    """Whether this CPU has what the bf16 kernel needs: AVX512-BF16 and AVX512-VNNI (its int8 screen)."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
+    return all(check is not None and check() for check in checks)
 
 
 bf16 = pytest.mark.skipif(not (avx512_bf16_here() and can_build_extensions()),
-                          reason="the bf16 kernel needs AVX512-BF16, a C++ compiler and ninja")
+                          reason="the bf16 kernel needs AVX512-BF16, AVX512-VNNI, a C++ compiler and ninja")
 KERNELS = [pytest.param("onednn", marks=onednn), pytest.param("fp16", marks=fp16), pytest.param("bf16", marks=bf16)]
 
 
@@ -584,6 +585,17 @@ def test_the_screen_gives_the_full_products_first_argmax(outputs, inputs):
     assert bool((screened(x, 0) == -1).all())  # no block allowed: every row left open
     if outputs == 1000:  # a tied pair's first index wins (rows 9-13 peak at outputs 100-104 and 600-604)
         assert expected[9:14].tolist() == list(range(100, 105))
+
+
+@bf16
+@pytest.mark.parametrize("rows", range(1, 10))
+def test_the_screen_gives_the_same_indices_for_any_row_count(rows):
+    """Up to 8 rows share each pass over the int8 weight (a kernel per count); 9 rows take two passes."""
+    from eagle_dropmatch.acceptance import first_argmax
+    packed, screened, x = screen_case(700, 97)
+    for start in (0, 24 - rows):
+        part = x[start:start + rows].contiguous()
+        assert torch.equal(screened(part, 10 ** 6), first_argmax(packed.forward(part, None)))
 
 
 @bf16

@@ -12,7 +12,8 @@
 // subnormals kept) after the bias is added in fp32.
 //
 // Built at first use by eagle_dropmatch.cpu_linear.bf16_extension (torch.utils.cpp_extension) with
-// -mavx512bf16, and used only where the CPU reports AVX512-BF16.
+// -mavx512bf16 and -mavx512vnni (the int8 screen's dot products), and used only where the CPU reports both
+// (every CPU with AVX512-BF16 has AVX512-VNNI).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -179,6 +180,12 @@ class PackedBF16Linear {
   //     first maximum (rounding keeps order, so it rounds strictly below that output), so only the blocks of
   //     16 outputs holding the others are computed, by the same tile as forward (the same sums, bit for bit),
   //     and the first maximum taken among them.
+  // The int8 copy is packed as forward's weight is, by blocks of 16 outputs, four inputs of the 16 outputs
+  // in each 64-byte line, so one VPDPBUSD adds four products to each output's own lane (no sums across
+  // lanes). VPDPBUSD multiplies unsigned bytes by signed ones, broadcast from memory: the copy holds
+  // q_j + 128 (unsigned) and q_x goes in as two signed bytes, l and h (q_x = 256 h + l), so that
+  // q_j . q_x = (q_j + 128) . l + 256 ((q_j + 128) . h) - 128 sum(q_x), exact in int32 (wrapping on the
+  // way, as the result fits).
   // A row gets -1 where the screen leaves more than `max_blocks` blocks or meets a value that is not finite:
   // the caller computes that row in full. The int8 copy streams half the bytes of the bf16 weight.
   at::Tensor screened_argmax(const at::Tensor& x, double max_row_norm, int64_t max_blocks) {
@@ -189,13 +196,19 @@ class PackedBF16Linear {
     const int64_t m = rows.size(0);
     auto result = at::full({m}, -1, at::TensorOptions().dtype(at::kLong));
     const auto* rows_ptr = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
-    for (int64_t r = 0; r < m; r += kRows) {  // up to 4 rows share each int8 weight row read
-      const int n = static_cast<int>(std::min<int64_t>(kRows, m - r));
+    for (int64_t r = 0; r < m; r += kScreenRows) {  // up to 8 rows share each int8 weight line read
+      const int n = static_cast<int>(std::min<int64_t>(kScreenRows, m - r));
+      const uint16_t* part = rows_ptr + r * in_features_;
+      int64_t* into = result.data_ptr<int64_t>() + r;
       switch (n) {
-        case 1: screen_rows<1>(rows_ptr + r * in_features_, max_row_norm, max_blocks, result.data_ptr<int64_t>() + r); break;
-        case 2: screen_rows<2>(rows_ptr + r * in_features_, max_row_norm, max_blocks, result.data_ptr<int64_t>() + r); break;
-        case 3: screen_rows<3>(rows_ptr + r * in_features_, max_row_norm, max_blocks, result.data_ptr<int64_t>() + r); break;
-        default: screen_rows<4>(rows_ptr + r * in_features_, max_row_norm, max_blocks, result.data_ptr<int64_t>() + r); break;
+        case 1: screen_rows<1>(part, max_row_norm, max_blocks, into); break;
+        case 2: screen_rows<2>(part, max_row_norm, max_blocks, into); break;
+        case 3: screen_rows<3>(part, max_row_norm, max_blocks, into); break;
+        case 4: screen_rows<4>(part, max_row_norm, max_blocks, into); break;
+        case 5: screen_rows<5>(part, max_row_norm, max_blocks, into); break;
+        case 6: screen_rows<6>(part, max_row_norm, max_blocks, into); break;
+        case 7: screen_rows<7>(part, max_row_norm, max_blocks, into); break;
+        default: screen_rows<8>(part, max_row_norm, max_blocks, into); break;
       }
     }
     return result;
@@ -205,18 +218,66 @@ class PackedBF16Linear {
   int64_t out_features() const { return out_features_; }
 
  private:
+  static constexpr int kScreenRows = 8;  // rows sharing each int8 weight line
+
+  // Bounds for R rows on the block of 16 outputs `block`: the largest upper bound of its outputs into
+  // upper[r * blocks_ + block], and the best lower bounds into best[r] (per lane).
+  //   xl, xh: per row, the signed low and high bytes of q_x, four to an int32 (groups_ of them);
+  //   offset: per row, 128 sum(q_x).
+  template <int R>
+  void screen_block(int64_t block, const int32_t* xl, const int32_t* xh, const int32_t* offset, const float* scale_x,
+                    const float* weight_term, const float* input_term, const float* sum_error, float* upper,
+                    __m512* best) const {
+    __m512i low[R], high[R];  // 2 R sums in registers (the loops over rows unrolled)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) low[r] = high[r] = _mm512_setzero_si512();
+    const uint8_t* q = screen_q_.data() + block * groups_ * 64;
+    for (int64_t g = 0; g < groups_; ++g) {
+      const __m512i weight = _mm512_loadu_si512(static_cast<const void*>(q + g * 64));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        low[r] = _mm512_dpbusd_epi32(low[r], weight, _mm512_set1_epi32(xl[r * groups_ + g]));
+        high[r] = _mm512_dpbusd_epi32(high[r], weight, _mm512_set1_epi32(xh[r * groups_ + g]));
+      }
+    }
+    const int64_t first = block * kBlock;
+    const int64_t valid = std::min<int64_t>(kBlock, out_features_ - first);
+    const __mmask16 real = valid >= kBlock ? static_cast<__mmask16>(0xFFFF)
+                                           : static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 scale = _mm512_loadu_ps(screen_scale_.data() + first);
+    const __m512 l1 = _mm512_loadu_ps(screen_l1_.data() + first);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(low[r], _mm512_slli_epi32(high[r], 8)),
+                                           _mm512_set1_epi32(offset[r]));
+      const __m512 approx = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale_x[r])), scale);
+      __m512 error = _mm512_mul_ps(scale, _mm512_add_ps(_mm512_set1_ps(weight_term[r]),
+                                                        _mm512_mul_ps(_mm512_set1_ps(input_term[r]), l1)));
+      error = _mm512_add_ps(_mm512_add_ps(error, _mm512_set1_ps(sum_error[r])),
+                            _mm512_add_ps(_mm512_mul_ps(_mm512_abs_ps(approx), _mm512_set1_ps(4.8e-7f)),
+                                          _mm512_set1_ps(1e-30f)));
+      const __m512 up = _mm512_add_ps(approx, error);
+      // a bound that is not a number keeps its block (+inf); padded outputs take no part
+      const __mmask16 nan = _mm512_cmp_ps_mask(up, up, _CMP_UNORD_Q);
+      upper[r * blocks_ + block] = nan & real ? std::numeric_limits<float>::infinity()
+                                              : _mm512_mask_reduce_max_ps(real, up);
+      best[r] = _mm512_mask_max_ps(best[r], real, best[r], _mm512_sub_ps(approx, error));
+    }
+  }
+
   // screened_argmax for R rows (bf16 bits, R x in) into result[0, R): -1 where undecided.
   template <int R>
   void screen_rows(const uint16_t* rows, double max_row_norm, int64_t max_blocks, int64_t* result) {
-    const int64_t out = out_features_, width = screen_width_;
-    // q_x in [-limit, limit], so that |q_j . q_x| <= 127 limit width < 2^31
-    const int64_t limit = std::min<int64_t>(32767, (int64_t{1} << 31) / (128 * std::max<int64_t>(width, 1)));
-    std::vector<int16_t> qx(R * width, 0);
+    // q_x in [-limit, limit], so that |q_j . q_x| <= 127 limit width < 2^31 and h is a signed byte
+    const int64_t width = groups_ * 4;
+    const int64_t limit = std::min<int64_t>(32639, (int64_t{1} << 31) / (128 * std::max<int64_t>(width, 1)));
+    std::vector<int32_t> xl(R * groups_, 0), xh(R * groups_, 0);
     float scale_x[R], weight_term[R], input_term[R], sum_error[R];
+    int32_t offset[R];
     bool usable[R];
+    std::vector<float> xf(in_features_);
     for (int r = 0; r < R; ++r) {
       const uint16_t* row = rows + r * in_features_;
-      std::vector<float> xf(in_features_);
       float largest = 0.0f, l1 = 0.0f, l2 = 0.0f;
       bool finite = true;
       for (int64_t k = 0; k < in_features_; ++k) {
@@ -229,9 +290,16 @@ class PackedBF16Linear {
       }
       usable[r] = finite;
       scale_x[r] = largest > 0.0f ? largest / static_cast<float>(limit) : 1.0f;
-      for (int64_t k = 0; finite && k < in_features_; ++k) {
-        qx[r * width + k] = static_cast<int16_t>(std::lrint(xf[k] / scale_x[r]));
+      auto* low = reinterpret_cast<int8_t*>(xl.data() + r * groups_);
+      auto* high = reinterpret_cast<int8_t*>(xh.data() + r * groups_);
+      int64_t sum = 0;
+      for (int64_t k = 0; k < width; ++k) {  // q_x = 256 h + l, l and h in [-128, 127]
+        const int32_t qx = finite && k < in_features_ ? static_cast<int32_t>(std::lrint(xf[k] / scale_x[r])) : 0;
+        low[k] = static_cast<int8_t>(((qx + 128) & 0xFF) - 128);
+        high[k] = static_cast<int8_t>((qx - low[k]) / 256);
+        sum += qx;
       }
+      offset[r] = static_cast<int32_t>(128 * sum);  // |128 sum| <= 128 limit width < 2^31
       // |x|_1 and |x|_2 summed in fp32: inflated by (1 + (in + 2) 2^-23) to bound them from above
       const float inflate = 1.0f + static_cast<float>(in_features_ + 2) * 1.2e-7f;
       weight_term[r] = 0.51f * l1 * inflate;
@@ -239,37 +307,20 @@ class PackedBF16Linear {
       sum_error[r] = static_cast<float>(4.0 * (in_features_ + 1) * std::ldexp(1.0, -24) *
                                         std::sqrt(static_cast<double>(l2) * inflate) * max_row_norm);
     }
-    std::vector<float> upper(R * out);
-    const int threads = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+    std::vector<float> upper(R * blocks_);  // per row and block: the largest upper bound of its outputs
+    const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks_)));
     std::vector<float> best_lower(threads * R, -std::numeric_limits<float>::infinity());
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t first = out * t / threads, last = out * (t + 1) / threads;
-        float best[R];
-        for (int r = 0; r < R; ++r) best[r] = -std::numeric_limits<float>::infinity();
-        for (int64_t j = first; j < last; ++j) {
-          const int8_t* q = screen_q_.data() + j * width;
-          __m512i acc[R];
-          for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-          for (int64_t k = 0; k < width; k += 32) {
-            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k)));
-            for (int r = 0; r < R; ++r) {
-              acc[r] = _mm512_add_epi32(acc[r], _mm512_madd_epi16(
-                  w, _mm512_loadu_si512(static_cast<const void*>(qx.data() + r * width + k))));
-            }
-          }
-          for (int r = 0; r < R; ++r) {
-            const float approx = (static_cast<float>(_mm512_reduce_add_epi32(acc[r])) * scale_x[r]) * screen_scale_[j];
-            const float error = screen_scale_[j] * (weight_term[r] + input_term[r] * screen_l1_[j]) + sum_error[r] +
-                                std::fabs(approx) * 4.8e-7f + 1e-30f;
-            upper[r * out + j] = approx + error;
-            best[r] = std::max(best[r], approx - error);
-          }
-        }
-        for (int r = 0; r < R; ++r) best_lower[t * R + r] = best[r];
+        __m512 best[R];
+        for (int r = 0; r < R; ++r) best[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t block = blocks_ * t / threads; block < blocks_ * (t + 1) / threads; ++block)
+          screen_block<R>(block, xl.data(), xh.data(), offset, scale_x, weight_term, input_term, sum_error,
+                          upper.data(), best);
+        for (int r = 0; r < R; ++r) best_lower[t * R + r] = _mm512_reduce_max_ps(best[r]);
       }
     });
-    const int64_t lda = pairs_, wstride = pairs_ * kBlock;
+    const int64_t lda = pairs_, wstride = pairs_ * kBlock, out = out_features_;
     const auto* w_ptr = reinterpret_cast<const uint32_t*>(packed_.data_ptr<at::BFloat16>());
     std::vector<uint16_t> a(2 * pairs_, 0), c(kBlock);
     std::vector<int64_t> blocks;
@@ -277,13 +328,12 @@ class PackedBF16Linear {
       float lower = -std::numeric_limits<float>::infinity();
       for (int t = 0; t < threads; ++t) lower = std::max(lower, best_lower[t * R + r]);
       if (!usable[r] || !std::isfinite(lower)) continue;
-      // an output whose bound rounds below what the best lower bound rounds to cannot be the first maximum
+      // a block whose largest bound rounds below what the best lower bound rounds to holds no first maximum
+      // (rounding to bf16 keeps order, so every bound of the block rounds below it too)
       const float floor = bf16_rounded(lower);
       blocks.clear();
-      for (int64_t j = 0; j < out && static_cast<int64_t>(blocks.size()) <= max_blocks; ++j) {
-        if (bf16_rounded(upper[r * out + j]) >= floor && (blocks.empty() || blocks.back() != j / kBlock)) {
-          blocks.push_back(j / kBlock);
-        }
+      for (int64_t b = 0; b < blocks_ && static_cast<int64_t>(blocks.size()) <= max_blocks; ++b) {
+        if (bf16_rounded(upper[r * blocks_ + b]) >= floor) blocks.push_back(b);
       }
       if (static_cast<int64_t>(blocks.size()) > max_blocks) continue;
       // the candidate blocks by forward's own tile (the same sums), in increasing order: the first maximum
@@ -309,14 +359,16 @@ class PackedBF16Linear {
     }
   }
 
-  // The int8 copy of the weight for screened_argmax: rows of screen_width_ (in, rounded up to 32, zeros after),
-  // each row's scale and the sum of its |q|. Made from packed_ at the first call.
+  // The int8 copy of the weight for screened_argmax, as q + 128 in unsigned bytes packed [blocks][groups][16][4]
+  // (groups_ = in / 4 rounded up; padding holds q = 0), each output's scale and the sum of its |q|.
+  // Made from packed_ at the first call.
   void build_screen() {
     std::call_once(screen_once_, [this] {
-      screen_width_ = (in_features_ + 31) / 32 * 32;
-      screen_q_.assign(out_features_ * screen_width_, 0);
-      screen_scale_.assign(out_features_, 0.0f);
-      screen_l1_.assign(out_features_, 0.0f);
+      groups_ = (in_features_ + 3) / 4;
+      const int64_t outputs = blocks_ * kBlock;
+      screen_q_.assign(outputs * groups_ * 4, 128);
+      screen_scale_.assign(outputs, 0.0f);
+      screen_l1_.assign(outputs, 0.0f);
       const auto weight = packed_.permute({0, 2, 1, 3}).reshape({blocks_ * kBlock, pairs_ * 2})
                               .narrow(0, 0, out_features_).narrow(1, 0, in_features_).to(at::kFloat).contiguous();
       const float* w = weight.data_ptr<float>();
@@ -325,10 +377,11 @@ class PackedBF16Linear {
         for (int64_t k = 0; k < in_features_; ++k) largest = std::max(largest, std::fabs(w[j * in_features_ + k]));
         const float scale = largest > 0.0f ? largest / 127.0f : 1.0f;
         float l1 = 0.0f;
+        uint8_t* line = screen_q_.data() + (j / kBlock) * groups_ * 64 + (j % kBlock) * 4;
         for (int64_t k = 0; k < in_features_; ++k) {
-          const long q = std::lrint(w[j * in_features_ + k] / scale);
-          screen_q_[j * screen_width_ + k] = static_cast<int8_t>(std::max(-127L, std::min(127L, q)));
-          l1 += std::fabs(static_cast<float>(screen_q_[j * screen_width_ + k]));
+          const long q = std::max(-127L, std::min(127L, std::lrint(w[j * in_features_ + k] / scale)));
+          line[(k / 4) * 64 + k % 4] = static_cast<uint8_t>(q + 128);
+          l1 += std::fabs(static_cast<float>(q));
         }
         screen_scale_[j] = scale;
         screen_l1_[j] = l1;  // an integer below 2^24: exact
@@ -339,8 +392,8 @@ class PackedBF16Linear {
   int64_t in_features_ = 0, out_features_ = 0, pairs_ = 0, blocks_ = 0;
   at::Tensor packed_;
   std::once_flag screen_once_;
-  int64_t screen_width_ = 0;
-  std::vector<int8_t> screen_q_;
+  int64_t groups_ = 0;
+  std::vector<uint8_t> screen_q_;
   std::vector<float> screen_scale_, screen_l1_;
 };
 
