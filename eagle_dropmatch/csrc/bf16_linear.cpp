@@ -299,7 +299,7 @@ class PackedBF16Linear {
         high[k] = static_cast<int8_t>((qx - low[k]) / 256);
         sum += qx;
       }
-      offset[r] = static_cast<int32_t>(128 * sum);  // |128 sum| <= 128 limit width < 2^31
+      offset[r] = static_cast<int32_t>(static_cast<uint32_t>(128 * sum));  // modulo 2^32, as the sums below
       // |x|_1 and |x|_2 summed in fp32: inflated by (1 + (in + 2) 2^-23) to bound them from above
       const float inflate = 1.0f + static_cast<float>(in_features_ + 2) * 1.2e-7f;
       weight_term[r] = 0.51f * l1 * inflate;
