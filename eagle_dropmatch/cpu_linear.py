@@ -149,16 +149,21 @@ BF16_EXTENSION_NAME = "eagle_dropmatch_bf16_linear"
 BF16_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni")
 
 
+def bf16_kernel_cpu() -> bool:
+    """Whether this CPU runs the bf16 kernel: AVX512-BF16 for its products and AVX512-VNNI for its int8 screen
+    (every CPU with the first has the second). Read from torch's CPU probes at each call."""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
+    return all(check is not None and check() for check in checks)
+
+
 @functools.cache
 def bf16_extension():
     """The compiled module whose ``PackedBF16Linear`` runs a bf16-weight product with AVX512-BF16 dot products
-    on all of torch's intra-op threads (``csrc/bf16_linear.cpp``), or None on a CPU without AVX512-BF16 and
-    AVX512-VNNI (the int8 screen's dot products; every CPU with the first has the second), where
-    the environment sets ``EAGLE_DROPMATCH_BF16_EXTENSION=0``, or where it cannot be built or does not compute
-    the fp32 product within its summation bound (``bf16_extension_matches``; one line on stderr says which).
+    on all of torch's intra-op threads (``csrc/bf16_linear.cpp``), or None on a CPU it does not run on
+    (``bf16_kernel_cpu``), where the environment sets ``EAGLE_DROPMATCH_BF16_EXTENSION=0``, or where it cannot
+    be built or does not compute the fp32 product within its summation bound (``bf16_extension_matches``; one line on stderr says which).
     Built once per machine (``extensions.load_extension``) and loaded from the package's cache after."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
-    if any(check is None or not check() for check in checks):  # every CPU with AVX512-BF16 has AVX512-VNNI
+    if not bf16_kernel_cpu():
         return None
     return load_extension(BF16_EXTENSION_NAME, "bf16_linear.cpp", "the AVX512-BF16 kernel",
                           "--cpu-prepack auto packs for fbgemm's fp16 kernel or oneDNN instead", BF16_FLAGS,

@@ -24,13 +24,7 @@ def can_build_extensions() -> bool:
     return shutil.which("c++") is not None and is_ninja_available()
 
 
-def avx512_bf16_here() -> bool:
-    """Whether this CPU has what the bf16 kernel needs: AVX512-BF16 and AVX512-VNNI (its int8 screen)."""
-    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
-    return all(check is not None and check() for check in checks)
-
-
-bf16 = pytest.mark.skipif(not (avx512_bf16_here() and can_build_extensions()),
+bf16 = pytest.mark.skipif(not (cpu_linear.bf16_kernel_cpu() and can_build_extensions()),
                           reason="the bf16 kernel needs AVX512-BF16, AVX512-VNNI, a C++ compiler and ninja")
 KERNELS = [pytest.param("onednn", marks=onednn), pytest.param("fp16", marks=fp16), pytest.param("bf16", marks=bf16)]
 
