@@ -38,7 +38,8 @@ class TargetView:
     """What the target said at each of the N tree nodes.
 
     Attributes:
-        logits: [N, V] undropped logits (raw, before temperature).
+        logits: [N, V] undropped logits (raw, before temperature), or None where the greedy tokens came from
+            the LM head's int8 screen (only when no rule that reads them runs: ``verify.greedy_tokens``).
         tokens: [N] the target's own next token: argmax at T=0, a sample of the processed
             distribution at T>0. It is also the bonus token when its node ends the accepted path.
         sample_tokens: [K, N] DropMatch sample tokens (-1 at rows that were not computed), or None.
@@ -47,7 +48,7 @@ class TargetView:
             use the processed ones at T > 0).
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     tokens: torch.Tensor
     sample_tokens: torch.Tensor | None = None
     sample_logits: torch.Tensor | None = None

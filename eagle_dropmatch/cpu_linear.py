@@ -425,6 +425,21 @@ class PrepackedLinear(nn.Module):
             max_row_norm: the largest |row| of the weight (``verify.TargetLMHead.max_row_norm``), for the
                 bound on the kernel's own rounding.
         """
+        packed = self._screen(x)
+        return None if packed is None else packed.screened_argmax(x, max_row_norm, SCREEN_MAX_BLOCKS)
+
+    def screened_argmax_rivals(self, x: torch.Tensor, max_row_norm: float, rivals: int,
+                               rival_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``screened_argmax`` and, from the same bounds, ``rivals`` high-scoring outputs of each row: int64 [P]
+        and int64 [P, rivals] (the best output by the screen's bound in each of the ``rivals`` blocks of 16
+        whose bounds are highest; -1 on a row that holds a value that is not finite, or that ``rival_rows``,
+        bool [P], leaves out). None where ``screened_argmax`` is None."""
+        packed = self._screen(x)
+        return None if packed is None else packed.screened_argmax_rivals(x, max_row_norm, SCREEN_MAX_BLOCKS, rivals,
+                                                                         rival_rows)
+
+    def _screen(self, x: torch.Tensor):
+        """The packed bf16 module, repacked if the weight changed, where the int8 screen serves ``x``; else None."""
         weight = self._parameters["weight"]
         grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if (self.kernel != "bf16" or self._parameters["bias"] is not None or x.dtype is not torch.bfloat16
@@ -433,7 +448,7 @@ class PrepackedLinear(nn.Module):
             return None
         if self.packed_from != (weight._version, weight.data_ptr()):
             self.pack()
-        return self.packed.screened_argmax(x, max_row_norm, SCREEN_MAX_BLOCKS)
+        return self.packed
 
     def __getstate__(self):
         return {**self.__dict__, "packed": None, "packed_from": None}  # an opaque packed tensor cannot be copied

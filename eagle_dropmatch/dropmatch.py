@@ -66,7 +66,7 @@ import torch
 from .acceptance import accepted_mask, choose_tokens, could_outrank, first_argmax, reached_through
 from .extensions import load_extension
 from .tree import DraftTree
-from .verify import TargetLMHead, lm_head_logits
+from .verify import TargetLMHead, greedy_tokens, lm_head_logits
 
 
 SAMPLE_ROWS = ("all", "reachable", "contested")
@@ -297,6 +297,7 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
 RIVAL_BLOCK = 256  # ids per block of the vocabulary; rivals are the best few tokens of the best blocks
 RIVAL_BLOCKS = 16  # blocks whose best tokens are a node's rivals
 RIVALS_PER_BLOCK = 4
+SCREEN_RIVALS = RIVAL_BLOCKS * RIVALS_PER_BLOCK  # rivals per node taken from the LM head's int8 screen instead
 
 
 def may_win(child: torch.Tensor, best: torch.Tensor, error: torch.Tensor, dtype: torch.dtype, steps: int,
@@ -416,8 +417,9 @@ def contested_children(hidden: torch.Tensor, masks: torch.Tensor, tree, rivals: 
 
 
 def contested_samples(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
-                      logits: torch.Tensor, lm_head: TargetLMHead, rescale: bool, vocab_ids: torch.Tensor | None = None,
-                      compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      logits: torch.Tensor | None, lm_head: TargetLMHead, rescale: bool,
+                      vocab_ids: torch.Tensor | None = None, compiled: bool = True,
+                      rivals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (sample, node) pairs whose rows the match rule must score: where a child could be the sample's argmax.
 
     ``contested_children`` rules out most (sample, child) pairs from a few logits (each node's ``rival_tokens``
@@ -434,7 +436,7 @@ def contested_samples(hidden: torch.Tensor, masks: torch.Tensor, tree, target_to
         tree: the ``DraftTree`` (tokens, parents, depths, ancestors).
         target_tokens: [N] the undropped argmax tokens.
         logits: [N, V] the undropped logits (each node's best tokens are its rivals), or [N, U] over
-            ``vocab_ids``.
+            ``vocab_ids``; None where ``rivals`` are given.
         lm_head: the target's LM head, for ``contested_children``.
         rescale: whether the masks carry 1/(1 - p) (``rescale_needed``); without it a sample that drops nothing
             is the undropped row, whose argmax is the undropped token, and contests nothing.
@@ -442,14 +444,18 @@ def contested_samples(hidden: torch.Tensor, masks: torch.Tensor, tree, target_to
             outside the shortlist is replaced by one inside).
         compiled: select in the compiled module (``contest_extension``'s ``contested_samples``, the same
             selection in one call) where it applies (``compiled_contest_applies``).
+        rivals: int64 [N, R] each node's rivals, its undropped token first (``verify.greedy_tokens``, where the
+            undropped tokens come from the LM head's screen and there are no logits), in place of
+            ``rival_tokens(logits)``. Any rivals give an exact selection; high-scoring ones a smaller one.
 
     Returns:
         (int64 [P] samples, int64 [P] nodes), sample-major.
     """
-    if compiled and compiled_contest_applies(hidden, masks, logits, lm_head, vocab_ids):
+    rivals_from = logits if rivals is None else rivals
+    if compiled and compiled_contest_applies(hidden, masks, rivals_from, lm_head, vocab_ids):
         kernel = contest_extension()
         if kernel is not None:
-            return kernel.contested_samples(hidden, masks, logits, target_tokens, tree.tokens, tree.parents,
+            return kernel.contested_samples(hidden, masks, rivals_from, target_tokens, tree.tokens, tree.parents,
                                             tree.depths, lm_head.weight.detach(), float(lm_head.max_row_norm()),
                                             lm_head.bias, rescale)
     k = masks.shape[0]
@@ -461,7 +467,7 @@ def contested_samples(hidden: torch.Tensor, masks: torch.Tensor, tree, target_to
     if not bool(contest.any()):  # a host sync; with --dropout-p auto most rounds stop here
         none = torch.zeros(0, dtype=torch.long, device=hidden.device)
         return none, none
-    rival_ids = rival_tokens(logits, target_tokens)  # [N, R]
+    rival_ids = rival_tokens(logits, target_tokens) if rivals is None else rivals  # [N, R]
     if vocab_ids is not None:  # a rival must be one of the tokens scored: else the shortlist's first token
         rival_ids = torch.where(torch.isin(rival_ids, vocab_ids), rival_ids, vocab_ids[0])
     contest = contest & contested_children(hidden, masks, tree, rival_ids, lm_head)  # [K, N - 1]
@@ -474,14 +480,15 @@ def contested_samples(hidden: torch.Tensor, masks: torch.Tensor, tree, target_to
 
 
 def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, target_tokens: torch.Tensor,
-                            logits: torch.Tensor, lm_head: TargetLMHead, rescale: bool, score,
-                            vocab_ids: torch.Tensor | None = None, compiled: bool = True) -> tuple[torch.Tensor, int]:
+                            logits: torch.Tensor | None, lm_head: TargetLMHead, rescale: bool, score,
+                            vocab_ids: torch.Tensor | None = None, compiled: bool = True,
+                            rivals: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """The match rule's sample tokens, scored only for the samples ``contested_samples`` selects, all in one
     product. So every sample that can change the path is scored, and the path is the one "all" gives; the
     other samples' tokens are not known (-1), so agreement is not measured.
 
     Args:
-        hidden, masks, tree, target_tokens, logits, lm_head, rescale, vocab_ids, compiled: as
+        hidden, masks, tree, target_tokens, logits, lm_head, rescale, vocab_ids, compiled, rivals: as
             ``contested_samples``.
         score: [P, H] dropped inputs -> [P, V] logits (or [P, U] over ``vocab_ids``).
 
@@ -490,7 +497,7 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     """
     tokens = torch.full(masks.shape[:2], -1, dtype=torch.long, device=hidden.device)  # [K, N]
     sample, node = contested_samples(hidden, masks, tree, target_tokens, logits, lm_head, rescale, vocab_ids,
-                                     compiled)  # [P], [P]
+                                     compiled, rivals)  # [P], [P]
     if sample.shape[0]:
         inputs = hidden[node] * masks[sample, node]  # [P, H]
         if vocab_ids is None:
@@ -502,19 +509,10 @@ def contested_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
 
 def sample_argmax(lm_head: TargetLMHead, inputs: torch.Tensor, score) -> torch.Tensor:
     """[P, H] dropped inputs -> int64 [P]: each row's first maximum logit, ``first_argmax(score(inputs))``, through
-    the int8 screen of a packed bf16 LM head where it applies (``cpu_linear.PrepackedLinear.screened_argmax``:
-    the same tokens from about half the bytes of the weight; a row the screen leaves open is scored in full).
-    A head with a logit transform scores every row in full (as one the screen does not serve: a bias, another
-    kernel, ``EAGLE_DROPMATCH_SCREEN=0``)."""
-    screen = getattr(getattr(lm_head, "linear", None), "screened_argmax", None)
-    if screen is not None and getattr(lm_head, "rounding_steps", 0) == 1:
-        chosen = screen(inputs, float(lm_head.max_row_norm()))
-        if chosen is not None:
-            open_rows = chosen < 0
-            if bool(open_rows.any()):  # a host sync, as the scoring's own
-                chosen[open_rows] = first_argmax(score(inputs[open_rows]))
-            return chosen
-    return first_argmax(score(inputs))
+    the int8 screen of a packed bf16 LM head where it applies (``verify.greedy_tokens``: the same tokens from
+    about half the bytes of the weight); else every row is scored in full."""
+    chosen = greedy_tokens(lm_head, inputs)
+    return first_argmax(score(inputs)) if chosen is None else chosen[0]
 
 
 CONTEST_EXTENSION_NAME = "eagle_dropmatch_contest"
@@ -533,13 +531,15 @@ def contest_extension():
                           reference="the Python one")
 
 
-def compiled_contest_applies(hidden: torch.Tensor, masks: torch.Tensor, logits: torch.Tensor,
+def compiled_contest_applies(hidden: torch.Tensor, masks: torch.Tensor, rivals_from: torch.Tensor,
                              lm_head: TargetLMHead, vocab_ids: torch.Tensor | None) -> bool:
-    """Whether ``contest_extension`` can judge this round: CPU tensors of one dtype (fp32, bf16 or fp16), the
-    whole vocabulary scored (no shortlist) and a head whose logits are rounded once (no logit transform)."""
+    """Whether ``contest_extension`` can judge this round: CPU tensors of one dtype (fp32, bf16 or fp16; the
+    rivals, where ``rivals_from`` holds them rather than logits, int64), the whole vocabulary scored (no
+    shortlist) and a head whose logits are rounded once (no logit transform)."""
     dtype = hidden.dtype
     return (vocab_ids is None and lm_head.rounding_steps == 1 and dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(t.is_cpu and t.dtype == dtype for t in (hidden, masks, logits, lm_head.weight))
+            and all(t.is_cpu and t.dtype == dtype for t in (hidden, masks, lm_head.weight))
+            and rivals_from.is_cpu and rivals_from.dtype in (dtype, torch.long)
             and (lm_head.bias is None or (lm_head.bias.is_cpu and lm_head.bias.dtype == dtype)))
 
 

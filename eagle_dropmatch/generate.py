@@ -20,16 +20,16 @@ from transformers import DynamicCache
 
 from .acceptance import (DraftView, TargetView, accepted_path_and_exact_length, choose_tokens, exact,
                          longest_accepted_path, make_rule, rejection_tokens)
-from .dropmatch import (AgreementTally, DropMatchConfig, calibrate_dropout_p, check_sample_rows, check_shortlist,
-                        choose_protect, contest_extension, contested_sample_tokens, deciding_nodes, dropout_inputs,
-                        dropout_masks, lm_head_with_samples, reachable_sample_tokens, rescale_needed, shortlist_ids,
-                        shortlist_logits, tokens_of_samples)
+from .dropmatch import (SCREEN_RIVALS, AgreementTally, DropMatchConfig, calibrate_dropout_p, check_sample_rows,
+                        check_shortlist, choose_protect, contest_extension, contested_sample_tokens, deciding_nodes,
+                        dropout_inputs, dropout_masks, lm_head_with_samples, reachable_sample_tokens, rescale_needed,
+                        shortlist_ids, shortlist_logits, tokens_of_samples)
 from .drafters import Drafter
 from .extensions import draft_ops, round_ops
 from .tree import DraftTree
 from .verify import (LocalLayers, TargetLMHead, attention_chunk, cache_argument, check_tree_verification,
-                     compact_cache, decoder_of, lm_head_logits, local_attention, mask_in_dtype, new_cache,
-                     sliding_window, target_forward, tree_mask_dtype)
+                     compact_cache, decoder_of, greedy_tokens, lm_head_logits, local_attention, mask_in_dtype,
+                     new_cache, sliding_window, target_forward, tree_mask_dtype)
 
 
 @dataclass(frozen=True)
@@ -224,10 +224,18 @@ class SpeculativeDecoder:
         return done
 
     def _prefill(self, prompt: torch.Tensor, cache, aux: list[int] | None):
-        """The target reads the prompt: final hidden [S, H], features [S, 3H] or None, last logits [1, V]."""
+        """The target reads the prompt: final hidden [S, H], features [S, 3H] or None."""
         positions = torch.arange(prompt.shape[1], device=prompt.device)[None]
-        hidden, feats = target_forward(self.decoder, prompt, positions, cache, None, aux)
-        return hidden, feats, lm_head_logits(self.lm_head, hidden[-1:])
+        return target_forward(self.decoder, prompt, positions, cache, None, aux)
+
+    def _next_tokens(self, hidden: torch.Tensor, cfg: DecodeConfig, gen: torch.Generator) -> torch.Tensor:
+        """[S, H] final hidden states -> [S] the target's tokens: greedy ones through the LM head's int8 screen
+        where it applies (``greedy_tokens``, no logits), else chosen from the logits (``choose_tokens``)."""
+        if cfg.temperature == 0:
+            screened = greedy_tokens(self.lm_head, hidden)
+            if screened is not None:
+                return screened[0]
+        return choose_tokens(lm_head_logits(self.lm_head, hidden), cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)
 
     # ---------------------------------------------------------------------- plain decoding
 
@@ -239,10 +247,10 @@ class SpeculativeDecoder:
         result = Generation()
         start = time.perf_counter()
         cache = self._plain_cache()
-        _, _, logits = self._prefill(prompt, cache, None)
+        hidden, _ = self._prefill(prompt, cache, None)
+        token = self._next_tokens(hidden[-1:], cfg, gen)  # [1]
         position = prompt.shape[1]
         while True:
-            token = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [1]
             if self._commit(result, [int(token)], 1, cfg):
                 break
             if position + 1 >= self.max_positions:
@@ -250,7 +258,7 @@ class SpeculativeDecoder:
                 break
             hidden, _ = target_forward(self.decoder, token[None], torch.tensor([[position]], device=self.device),
                                        cache, None, None)
-            logits = lm_head_logits(self.lm_head, hidden)  # [1, V]
+            token = self._next_tokens(hidden, cfg, gen)  # [1]
             position += 1
         result.wall_time = time.perf_counter() - start
         return result
@@ -301,6 +309,12 @@ class SpeculativeDecoder:
         shortlisted = dm.shortlist > 0  # samples scored over a shortlist after the LM head, not inside it
         selective = dm.rows != "all"  # samples scored after the LM head, only those that can change the path
         measures_agreement = dm.active and dm.rows != "contested"  # contested leaves most sample tokens unknown
+        # At T = 0 the undropped tokens come from the LM head's int8 screen without logits (``greedy_tokens``)
+        # unless something reads the logits: the top-k or js rule, a shortlist, samples stacked into the head's
+        # product. The contest then takes its rivals from the screen too.
+        logits_read = (cfg.temperature > 0 or (dm.lossy and dm.rule != "match")
+                       or (dm.active and (not selective or shortlisted)))
+        rival_count = SCREEN_RIVALS if dm.active and dm.rows == "contested" else 0
         aux = self.aux_layer_ids if drafter.needs_features else None
         prompt = self._check_prompt(input_ids)
         gen = _new_generator(self.device, cfg.seed)
@@ -314,8 +328,8 @@ class SpeculativeDecoder:
         drafter.reset()
         drafter.start(prompt[0])
         with timer.section("prefill"):
-            hidden, features, logits = self._prefill(prompt, cache, aux)  # [S, H], [S, 3H], [1, V]
-            root = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [1]
+            hidden, features = self._prefill(prompt, cache, aux)  # [S, H], [S, 3H]
+            root = self._next_tokens(hidden[-1:], cfg, gen)  # [1]
         result.prefill_time = time.perf_counter() - start
         if dm.active:
             if dm.auto_rate is not None or dm.auto_protect:
@@ -352,13 +366,19 @@ class SpeculativeDecoder:
                         samples = dropout_inputs(hidden, tree.has_children, dm, dm_gen, rescale)  # P of K x N
                         result.computed_samples += len(samples.sample)
             with timer.section("lm_head"):  # one matmul for the undropped and the dropped rows
-                stacked = None if samples is None or shortlisted else samples.inputs  # [P, H] or None
-                logits, sample_logits = lm_head_with_samples(self.lm_head, hidden, stacked)  # [N, V], [P, V]
-                if cfg.temperature > 0 and tree.sampled:  # drafts drawn from q: rejection sampling
-                    tokens = rejection_tokens(logits, tree.tokens, tree.parents, tree.draft_probs,
-                                              cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
+                screened = None if logits_read else greedy_tokens(self.lm_head, hidden, rival_count,
+                                                                  tree.has_children if rival_count else None)
+                if screened is not None:  # no logits: [N] tokens, and [N, 1 + R] rivals or None
+                    (tokens, rivals), logits, sample_logits = screened, None, None
                 else:
-                    tokens = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
+                    rivals = None
+                    stacked = None if samples is None or shortlisted else samples.inputs  # [P, H] or None
+                    logits, sample_logits = lm_head_with_samples(self.lm_head, hidden, stacked)  # [N, V], [P, V]
+                    if cfg.temperature > 0 and tree.sampled:  # drafts drawn from q: rejection sampling
+                        tokens = rejection_tokens(logits, tree.tokens, tree.parents, tree.draft_probs,
+                                                  cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
+                    else:
+                        tokens = choose_tokens(logits, cfg.temperature, cfg.top_p, cfg.sample_top_k, gen)  # [N]
             target_view = TargetView(logits, tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                      sample_top_k=cfg.sample_top_k)
             if dm.active:
@@ -373,7 +393,8 @@ class SpeculativeDecoder:
                                  else partial(lm_head_logits, self.lm_head))
                         if dm.rows == "contested":  # where a child may be a sample's argmax, in one product
                             target_view.sample_tokens, rows = contested_sample_tokens(
-                                hidden, masks, tree, tokens, logits, self.lm_head, rescale, score, vocab_ids)
+                                hidden, masks, tree, tokens, logits, self.lm_head, rescale, score, vocab_ids,
+                                rivals=rivals)
                         else:  # level by level, at reached nodes that decide
                             target_view.sample_tokens, rows = reachable_sample_tokens(
                                 hidden, masks, tree, tokens, deciding, rescale, score, vocab_ids)  # [K, N]

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from .acceptance import first_argmax
 from .extensions import round_ops
 from .tree_attention import NATIVE_GQA_SDPA
 
@@ -330,6 +331,47 @@ class TargetLMHead:
 def lm_head_logits(lm_head: TargetLMHead | nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """[S, H] -> [S, V] logits of the undropped head."""
     return lm_head(hidden)
+
+
+def greedy_tokens(lm_head: TargetLMHead | nn.Module, hidden: torch.Tensor, rivals: int = 0,
+                  rival_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Each row's greedy token, ``first_argmax(lm_head(hidden))``, without the full product where the head has a screen.
+
+    The packed bf16 LM head's int8 screen (``cpu_linear.PrepackedLinear.screened_argmax_rivals``) bounds every
+    logit from an int8 copy of the weight and computes only the blocks that can hold the first maximum, with
+    the kernel's own sums, so the tokens are the full product's. A row it leaves open is computed in full.
+
+    Args:
+        lm_head: the target's LM head.
+        hidden: [S, H] undropped inputs.
+        rivals: how many high-scoring tokens per row to return for DropMatch's contest (0: none).
+        rival_rows: bool [S], the rows whose rivals are read (the tree's nodes with children; each other row's
+            rivals are its own token), or None for all.
+
+    Returns:
+        (int64 [S] tokens, int64 [S, 1 + rivals] each row's token then its rivals, or None when ``rivals`` is 0),
+        or None where no screen applies (another kernel, a bias, a logit transform, rows not bf16 on the CPU,
+        ``EAGLE_DROPMATCH_SCREEN=0``): then the caller computes the logits.
+    """
+    screen = getattr(getattr(lm_head, "linear", None), "screened_argmax_rivals", None)
+    if screen is None or getattr(lm_head, "rounding_steps", 0) != 1:
+        return None
+    chosen = screen(hidden, float(lm_head.max_row_norm()), rivals, rival_rows)
+    if chosen is None:
+        return None
+    tokens, rival_ids = chosen  # [S], [S, rivals]
+    open_rows = tokens < 0
+    if bool(open_rows.any()):  # a host read of a CPU tensor
+        logits = lm_head(hidden[open_rows])  # [O, V]
+        tokens[open_rows] = first_argmax(logits)
+        if rivals:  # their best tokens (any tokens would do), repeated where the vocabulary is smaller
+            top = logits.topk(min(rivals, logits.shape[-1]), dim=-1).indices
+            top = top[:, torch.arange(rivals) % top.shape[1]]  # [O, rivals]
+            rival_ids[open_rows] = top if rival_rows is None else torch.where(rival_rows[open_rows, None], top, -1)
+    if not rivals:
+        return tokens, None
+    rival_ids = torch.where(rival_ids < 0, tokens[:, None], rival_ids)  # rows left out: their own token
+    return tokens, torch.cat([tokens[:, None], rival_ids], dim=1)
 
 
 def compact_cache(cache, prefix_len: int, keep: torch.Tensor, keep_host: list[int] | None = None,

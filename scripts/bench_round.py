@@ -6,8 +6,9 @@ Runs lossless EAGLE-3 and EAGLE-3 + DropMatch (K=5; p=0.3 by default, several wi
 --protect 0 auto``; each also with its samples scored over a shortlist with ``--shortlist M``, and level by
 level at reached nodes only with ``--rows all reachable``) on the same MT-Bench prompts, interleaved question
 by question; ``--rows ... contested``: only the samples a child may win, judged by the compiled contest and,
-with ``--contest compiled python``, also by the Python reference, and with ``--screen on off`` scored through the
-packed LM head's int8 screen and with the full product), and prints the mean milliseconds per
+with ``--contest compiled python``, also by the Python reference; with ``--screen on off`` EAGLE-3 and each
+DropMatch variant run both with their greedy tokens through the packed LM head's int8 screen and from the full
+product, and a DropMatch variant is compared with EAGLE-3 run the same way), and prints the mean milliseconds per
 round in each section (medians over questions) and the
 DropMatch sample rows computed per round. Those rows share the undropped rows' LM-head matmul (or, with a
 shortlist or level by level, are scored after it, in "dropmatch"), so part of DropMatch's cost may be inside
@@ -177,10 +178,12 @@ def round_record(out, timer: RoundTimer) -> dict:
 
 
 def round_table(per_prompt: dict[str, list[dict]]) -> dict:
-    """Medians over prompts per variant, and DropMatch's cost against the variant "eagle3" prompt by prompt."""
-    base = per_prompt["eagle3"]
+    """Medians over prompts per variant, and DropMatch's cost against the variant "eagle3" prompt by prompt (a
+    variant "... screen=off" against "eagle3 screen=off" where there is one: both without the int8 screen)."""
     table = {}
     for name, rows in per_prompt.items():
+        unscreened = name.endswith(" screen=off") and "eagle3 screen=off" in per_prompt
+        base = per_prompt["eagle3 screen=off" if unscreened else "eagle3"]
         table[name] = {k: statistics.median(r[k] for r in rows) for k in (*SECTIONS, "round", "tau", "tok_s",
                                                                             "sample_rows")}
         costs = [sum(r[s] for s in DROPMATCH_SECTIONS) - sum(b[s] for s in DROPMATCH_SECTIONS)
@@ -234,8 +237,10 @@ def main(argv=None) -> int:
                    help="with rows contested: the compiled contest (csrc/dropmatch_contest.cpp, where it builds) "
                         "and/or the Python reference, one variant each, side by side")
     p.add_argument("--screen", nargs="+", default=["on"], choices=["on", "off"],
-                   help="with rows contested: score the samples through the packed bf16 LM head's int8 screen "
-                        "(on, where it applies) and/or with the full product (off), one variant each, side by side")
+                   help="take the undropped tokens (and with rows contested the samples' tokens) through the packed "
+                        "bf16 LM head's int8 screen (on, where it applies) and/or from the full product (off), one "
+                        "variant each, side by side; with off EAGLE-3 runs both ways too, and a DropMatch variant "
+                        "without the screen is measured against EAGLE-3 without it")
     p.add_argument("--stock-sdpa", action="store_true",
                    help="also run EAGLE-3 with transformers' own SDPA (keys and values copied per query group under "
                         "the tree mask), side by side with the engine's native grouped heads (tree_attention)")
@@ -252,6 +257,8 @@ def main(argv=None) -> int:
         p.error("--protect takes one value, or one per --dropout-p")
     protects = args.protect * len(args.dropout_p) if len(args.protect) == 1 else args.protect
     variants = {"eagle3": dict(dropmatch_k=0)}
+    if "off" in args.screen:
+        variants["eagle3 screen=off"] = dict(dropmatch_k=0)
     if args.stock_sdpa:
         variants[STOCK_SDPA] = dict(dropmatch_k=0)
     try:
@@ -293,7 +300,7 @@ def main(argv=None) -> int:
     table = round_table(per_question)
     for name in variants:  # the level-by-level rows decide as the stacked ones: on how many answers, measured
         stacked = name.removesuffix(" screen=off").removesuffix(" contest=python").rsplit(" rows=", 1)[0]
-        if stacked != name and stacked in answers:
+        if " rows=" in name and stacked in answers:
             table[name]["same_tokens_as_all_rows"] = sum(a == b for a, b in zip(answers[name], answers[stacked]))
         screened = name.removesuffix(" screen=off")
         if screened != name and screened in answers:  # the screen decides as the full product: measured

@@ -593,6 +593,61 @@ def test_the_screen_gives_the_same_indices_for_any_row_count(rows):
 
 
 @bf16
+@pytest.mark.parametrize("outputs,rivals", [(1000, 8), (1000, 64), (49, 8)])
+def test_the_screen_gives_rivals_from_its_highest_blocks_without_changing_its_indices(outputs, rivals):
+    """``screened_argmax_rivals``: the same indices as ``screened_argmax``; per row, one output of each of the
+    ``rivals`` blocks of 16 with the highest bounds, so distinct blocks while there are enough (49 outputs
+    make 4 blocks, which then repeat), every one in range; -1 on a row with a value that is not finite."""
+    packed, screened, x = screen_case(outputs, 97)
+    norm = float(torch.linalg.vector_norm(packed.forward(torch.eye(97, dtype=torch.bfloat16), None).float().T,
+                                          dim=-1).max())
+    x[2, 5] = float("nan")
+    indices, rival_ids = packed.screened_argmax_rivals(x, 10 * norm, 64, rivals)
+    assert torch.equal(indices, packed.screened_argmax(x, 10 * norm, 64))
+    wanted = torch.arange(24) % 3 == 0
+    _, some = packed.screened_argmax_rivals(x, 10 * norm, 64, rivals, wanted)
+    assert torch.equal(some[wanted], rival_ids[wanted]) and bool((some[~wanted] == -1).all())
+    assert rival_ids.shape == (24, rivals) and rival_ids.dtype == torch.long
+    assert bool((rival_ids[2] == -1).all())
+    rows = [r for r in range(24) if r != 2]
+    assert bool((rival_ids[rows] >= 0).all()) and bool((rival_ids[rows] < outputs).all())
+    blocks = -(-outputs // 16)
+    logits = packed.forward(x, None).float()
+    for r in rows:
+        assert len(set((rival_ids[r] // 16).tolist())) == min(rivals, blocks)
+        if r != 5:  # the zero row ties everywhere; elsewhere the best block holds a rival
+            assert int(indices[r]) // 16 in set((rival_ids[r] // 16).tolist())
+    assert bool(torch.isfinite(logits[rows]).all())
+
+
+@bf16
+def test_greedy_tokens_are_the_full_products_and_rows_the_screen_leaves_open_are_computed(monkeypatch):
+    """``verify.greedy_tokens`` on a packed bf16 LM head: the tokens of ``first_argmax`` of the logits, the rivals
+    after each row's token; a row the screen leaves open is computed in full (its rivals its best tokens);
+    no screen (fp32 rows, the screen switched off): None."""
+    from eagle_dropmatch.acceptance import first_argmax
+    from eagle_dropmatch.verify import TargetLMHead, greedy_tokens
+    linear = bf16_linear(96, 1200, bias=False, fp16_values=False)
+    head = TargetLMHead(PrepackedLinear(linear, "bf16"))
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x[3] = 0  # every logit 0: 75 blocks of candidates, more than the screen computes, so the row is left open
+    with torch.no_grad():
+        expected = first_argmax(head(x))
+        assert int(cpu_linear.PrepackedLinear.screened_argmax(head.linear, x, float(head.max_row_norm()))[3]) == -1
+        tokens, rivals = greedy_tokens(head, x, 8)
+        assert torch.equal(tokens, expected) and rivals.shape == (7, 9)
+        assert torch.equal(rivals[:, 0], tokens) and bool(((rivals >= 0) & (rivals < 1200)).all())
+        assert torch.equal(greedy_tokens(head, x)[0], expected) and greedy_tokens(head, x)[1] is None
+        wanted = torch.tensor([True, False, True, False, True, True, False])  # rows 1, 3 and 6 want no rivals
+        tokens, some = greedy_tokens(head, x, 8, wanted)
+        assert torch.equal(tokens, expected) and torch.equal(some[wanted], rivals[wanted])
+        assert bool((some[~wanted] == tokens[~wanted, None]).all())  # left out: their own token throughout
+        assert greedy_tokens(head, x.float()) is None
+        monkeypatch.setenv("EAGLE_DROPMATCH_SCREEN", "0")
+        assert greedy_tokens(head, x) is None
+
+
+@bf16
 def test_a_screen_that_picks_otherwise_is_not_used(monkeypatch, fresh_extension_probes, capsys):
     real = cpu_linear.bf16_extension()
 
@@ -642,33 +697,43 @@ def test_a_prepacked_head_screens_only_where_it_can_and_follows_a_changed_weight
 
 
 @bf16
-def test_dropmatch_scores_its_samples_through_the_screen_with_the_same_tokens(monkeypatch):
-    """A bf16 target whose LM head is packed for the bf16 kernel: contested DropMatch rows go through the screen
-    (here it is called), and the tokens and rounds are those of the full product and of stacking all rows."""
+def test_decoding_takes_its_greedy_tokens_through_the_screen_with_the_same_tokens(monkeypatch):
+    """A bf16 target whose LM head is packed for the bf16 kernel: plain decoding, lossless EAGLE-3 and contested
+    DropMatch take their undropped tokens (and DropMatch its rivals and sample rows) from the screen, which is
+    called, and their tokens and rounds are those of the full product (the screen off) and, for DropMatch, of
+    stacking every sample row into the head's product."""
     from eagle_dropmatch.drafters import Eagle3Drafter
-    from eagle_dropmatch.dropmatch import DropMatchConfig
+    from eagle_dropmatch.dropmatch import SCREEN_RIVALS, DropMatchConfig
     from eagle_dropmatch.generate import DecodeConfig, SpeculativeDecoder
     from conftest import tiny_head
     target = tiny_target(seed=1, vocab=400).to(torch.bfloat16)
     assert prepack_linears(target, "bf16") > 0
     calls = []
-    real = PrepackedLinear.screened_argmax
+    real = PrepackedLinear.screened_argmax_rivals
 
-    def counting(self, x, max_row_norm):
-        calls.append(x.shape[0])
-        return real(self, x, max_row_norm)
-    monkeypatch.setattr(PrepackedLinear, "screened_argmax", counting)
+    def counting(self, x, max_row_norm, rivals, rival_rows=None):
+        calls.append(rivals)
+        return real(self, x, max_row_norm, rivals, rival_rows)
+    monkeypatch.setattr(PrepackedLinear, "screened_argmax_rivals", counting)
     engine = SpeculativeDecoder(target, [2, 4, 5])
     gen = torch.Generator().manual_seed(3)
+    methods = {"plain": None, "eagle3": DropMatchConfig(), "contested": DropMatchConfig(k=5, p=0.3, rows="contested"),
+               "all": DropMatchConfig(k=5, p=0.3, rows="all")}
     for i in range(3):
         prompt = torch.randint(3, 400, (12,), generator=gen)
         out = {}
-        for how, screen in (("contested", "1"), ("contested", "0"), ("all", "1")):
-            monkeypatch.setenv("EAGLE_DROPMATCH_SCREEN", screen)
-            cfg = DecodeConfig(max_new_tokens=24, seed=i, dropmatch=DropMatchConfig(k=5, p=0.3, rows=how))
-            out[how, screen] = engine.generate(prompt, Eagle3Drafter(tiny_head(target, seed=i).to(torch.bfloat16),
-                                                                     16, 4, 4), cfg)
-        first = out["contested", "1"]
-        for other in (out["contested", "0"], out["all", "1"]):
-            assert first.token_ids == other.token_ids and first.accept_lengths == other.accept_lengths
-    assert calls
+        for method, dm in methods.items():
+            for screen in ("1", "0"):
+                monkeypatch.setenv("EAGLE_DROPMATCH_SCREEN", screen)
+                if dm is None:
+                    out[method, screen] = engine.generate_baseline(prompt, DecodeConfig(max_new_tokens=24, seed=i))
+                else:
+                    cfg = DecodeConfig(max_new_tokens=24, seed=i, dropmatch=dm)
+                    out[method, screen] = engine.generate(
+                        prompt, Eagle3Drafter(tiny_head(target, seed=i).to(torch.bfloat16), 16, 4, 4), cfg)
+        for method in methods:
+            assert out[method, "1"].token_ids == out[method, "0"].token_ids
+            assert out[method, "1"].accept_lengths == out[method, "0"].accept_lengths
+        assert out["contested", "1"].token_ids == out["all", "1"].token_ids
+        assert out["contested", "1"].accept_lengths == out["all", "1"].accept_lengths
+    assert 0 in calls and SCREEN_RIVALS in calls  # undropped rows without rivals and with them

@@ -148,6 +148,36 @@ def test_the_compiled_selection_picks_the_samples_the_python_one_picks(rescale):
     assert selecting >= 4 and empty >= 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_given_rivals_select_as_the_python_one_and_never_drop_a_sample_the_logits_keep(dtype):
+    """Rivals passed in place of the logits (int64 [N, 1 + R], the undropped token first: the engine takes them
+    from the LM head's int8 screen): the compiled selection equals the Python one on the same rivals, and
+    every pair it leaves out is one the full vocabulary rules out too. Two rival sets are tried: each node's
+    exact top tokens (which rule out more) and random tokens (which rule out fewer)."""
+    module = compiled()
+    for seed in range(16):
+        head, hidden, masks, logits, undropped, tree, _ = random_round(seed, SHAPES[seed % 3], 4200, dtype,
+                                                                       bias=seed % 4 == 1)
+        generator = torch.Generator().manual_seed(seed)
+        top = logits.topk(64, dim=-1).indices
+        random_ids = torch.randint(0, 4200, top.shape, generator=generator)
+        with torch.no_grad():
+            every = contested_samples(hidden, masks, tree, undropped, logits, head, False, compiled=False,
+                                      rivals=torch.cat([undropped[:, None], logits.topk(4200, dim=-1).indices], 1))
+            for ids in (top, random_ids):
+                rivals = torch.cat([undropped[:, None], ids], dim=1)
+                ours = module.contested_samples(hidden, masks, rivals, undropped, tree.tokens, tree.parents,
+                                                tree.depths, head.weight, float(head.max_row_norm()), head.bias, False)
+                theirs = contested_samples(hidden, masks, tree, undropped, None, head, False, compiled=False,
+                                           rivals=rivals)
+                assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]), seed
+                kept = set(zip(*(t.tolist() for t in theirs)))
+                assert set(zip(*(t.tolist() for t in every))) <= kept, seed
+    with pytest.raises(RuntimeError, match="rival ids must be in"):
+        module.contested_samples(hidden, masks, rivals.clamp(max=4199) + 1, undropped, tree.tokens, tree.parents,
+                                 tree.depths, head.weight, float(head.max_row_norm()), head.bias, False)
+
+
 def test_the_compiled_contest_applies_only_where_it_judges_as_the_reference():
     """CPU tensors of one dtype (fp32, bf16, fp16), the whole vocabulary, one rounding (no logit transform)."""
     head, hidden, masks, logits, *_ = random_round(0, SHAPES[0], 300, torch.bfloat16, bias=False)
@@ -155,6 +185,8 @@ def test_the_compiled_contest_applies_only_where_it_judges_as_the_reference():
     assert not compiled_contest_applies(hidden, masks, logits, head, torch.arange(10))  # a shortlist
     assert not compiled_contest_applies(hidden.double(), masks.double(), logits.double(), head, None)
     assert not compiled_contest_applies(hidden, masks, logits.float(), head, None)  # dtypes differ
+    assert compiled_contest_applies(hidden, masks, logits.topk(4, dim=-1).indices, head, None)  # rivals, int64
+    assert not compiled_contest_applies(hidden, masks, logits.topk(4, dim=-1).indices.int(), head, None)
     biased, *_ = random_round(0, SHAPES[0], 300, torch.bfloat16, bias=True)
     assert compiled_contest_applies(hidden, masks, logits, biased, None)
     biased.linear.bias.data = biased.linear.bias.data.float()  # a bias in another dtype

@@ -26,6 +26,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -189,29 +190,50 @@ class PackedBF16Linear {
   // A row gets -1 where the screen leaves more than `max_blocks` blocks or meets a value that is not finite:
   // the caller computes that row in full. The int8 copy streams half the bytes of the bf16 weight.
   at::Tensor screened_argmax(const at::Tensor& x, double max_row_norm, int64_t max_blocks) {
+    return std::get<0>(screened_argmax_rivals(x, max_row_norm, max_blocks, 0, std::nullopt));
+  }
+
+  // screened_argmax, and for each row `rivals` outputs that score high, from the same bounds at no pass of
+  // their own: the output with the largest upper bound in each of the `rivals` blocks whose largest upper
+  // bound is highest (the order among them, and among equal bounds, unspecified). Any outputs would do for
+  // DropMatch's contest (it computes their values itself); high ones let it rule out more samples. A row
+  // with a value that is not finite gets -1 throughout; fewer blocks than `rivals`: the row's blocks repeat.
+  // rival_rows: bool [P], the rows that want rivals (the others get -1), or None for all.
+  // Returns (int64 [P], int64 [P, rivals]).
+  std::tuple<at::Tensor, at::Tensor> screened_argmax_rivals(const at::Tensor& x, double max_row_norm,
+                                                            int64_t max_blocks, int64_t rivals,
+                                                            const std::optional<at::Tensor>& rival_rows) {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == in_features_, "expected rows of width ", in_features_, ", got ",
                 x.sizes());
+    TORCH_CHECK(rivals >= 0, "rivals must be >= 0, got ", rivals);
+    TORCH_CHECK(!rival_rows.has_value() || (rival_rows->scalar_type() == at::kBool && rival_rows->is_cpu() &&
+                                            rival_rows->numel() == x.size(0)),
+                "rival_rows must be a bool CPU tensor of one flag per row");
+    const auto wanted = rival_rows.has_value() ? rival_rows->contiguous() : at::ones({x.size(0)}, at::kBool);
     build_screen();
     auto rows = x.to(at::kBFloat16).contiguous();
     const int64_t m = rows.size(0);
     auto result = at::full({m}, -1, at::TensorOptions().dtype(at::kLong));
+    auto rival_ids = at::full({m, rivals}, -1, at::TensorOptions().dtype(at::kLong));
     const auto* rows_ptr = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
     for (int64_t r = 0; r < m; r += kScreenRows) {  // up to 8 rows share each int8 weight line read
       const int n = static_cast<int>(std::min<int64_t>(kScreenRows, m - r));
       const uint16_t* part = rows_ptr + r * in_features_;
       int64_t* into = result.data_ptr<int64_t>() + r;
+      int64_t* rivals_into = rival_ids.data_ptr<int64_t>() + r * rivals;
+      const bool* want = wanted.data_ptr<bool>() + r;
       switch (n) {
-        case 1: screen_rows<1>(part, max_row_norm, max_blocks, into); break;
-        case 2: screen_rows<2>(part, max_row_norm, max_blocks, into); break;
-        case 3: screen_rows<3>(part, max_row_norm, max_blocks, into); break;
-        case 4: screen_rows<4>(part, max_row_norm, max_blocks, into); break;
-        case 5: screen_rows<5>(part, max_row_norm, max_blocks, into); break;
-        case 6: screen_rows<6>(part, max_row_norm, max_blocks, into); break;
-        case 7: screen_rows<7>(part, max_row_norm, max_blocks, into); break;
-        default: screen_rows<8>(part, max_row_norm, max_blocks, into); break;
+        case 1: screen_rows<1>(part, max_row_norm, max_blocks, into, rivals, want, rivals_into); break;
+        case 2: screen_rows<2>(part, max_row_norm, max_blocks, into, rivals, want, rivals_into); break;
+        case 3: screen_rows<3>(part, max_row_norm, max_blocks, into, rivals, want, rivals_into); break;
+        case 4: screen_rows<4>(part, max_row_norm, max_blocks, into, rivals, want, rivals_into); break;
+        case 5: screen_rows<5>(part, max_row_norm, max_blocks, into, rivals, want, rivals_into); break;
+        case 6: screen_rows<6>(part, max_row_norm, max_blocks, into, rivals, want, rivals_into); break;
+        case 7: screen_rows<7>(part, max_row_norm, max_blocks, into, rivals, want, rivals_into); break;
+        default: screen_rows<8>(part, max_row_norm, max_blocks, into, rivals, want, rivals_into); break;
       }
     }
-    return result;
+    return {result, rival_ids};
   }
 
   int64_t in_features() const { return in_features_; }
@@ -221,13 +243,14 @@ class PackedBF16Linear {
   static constexpr int kScreenRows = 8;  // rows sharing each int8 weight line
 
   // Bounds for R rows on the block of 16 outputs `block`: the largest upper bound of its outputs into
-  // upper[r * blocks_ + block], and the best lower bounds into best[r] (per lane).
+  // upper[r * blocks_ + block], the output that has it into lanes[r * blocks_ + block] (0-15; none kept where
+  // lanes is null), and the best lower bounds into best[r] (per lane).
   //   xl, xh: per row, the signed low and high bytes of q_x, four to an int32 (groups_ of them);
   //   offset: per row, 128 sum(q_x).
   template <int R>
   void screen_block(int64_t block, const int32_t* xl, const int32_t* xh, const int32_t* offset, const float* scale_x,
                     const float* weight_term, const float* input_term, const float* sum_error, float* upper,
-                    __m512* best) const {
+                    uint8_t* lanes, __m512* best) const {
     __m512i low[R], high[R];  // 2 R sums in registers (the loops over rows unrolled)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) low[r] = high[r] = _mm512_setzero_si512();
@@ -259,15 +282,21 @@ class PackedBF16Linear {
       const __m512 up = _mm512_add_ps(approx, error);
       // a bound that is not a number keeps its block (+inf); padded outputs take no part
       const __mmask16 nan = _mm512_cmp_ps_mask(up, up, _CMP_UNORD_Q);
-      upper[r * blocks_ + block] = nan & real ? std::numeric_limits<float>::infinity()
-                                              : _mm512_mask_reduce_max_ps(real, up);
+      const float largest = nan & real ? std::numeric_limits<float>::infinity() : _mm512_mask_reduce_max_ps(real, up);
+      upper[r * blocks_ + block] = largest;
+      if (lanes != nullptr) {
+        const __mmask16 at = _mm512_mask_cmp_ps_mask(real, up, _mm512_set1_ps(largest), _CMP_EQ_OQ);
+        lanes[r * blocks_ + block] = at ? static_cast<uint8_t>(__builtin_ctz(at)) : 0;
+      }
       best[r] = _mm512_mask_max_ps(best[r], real, best[r], _mm512_sub_ps(approx, error));
     }
   }
 
-  // screened_argmax for R rows (bf16 bits, R x in) into result[0, R): -1 where undecided.
+  // screened_argmax for R rows (bf16 bits, R x in) into result[0, R): -1 where undecided; with rivals > 0,
+  // the rivals of each row r that wants them (want[r]) into rival_ids[r * rivals, (r + 1) * rivals).
   template <int R>
-  void screen_rows(const uint16_t* rows, double max_row_norm, int64_t max_blocks, int64_t* result) {
+  void screen_rows(const uint16_t* rows, double max_row_norm, int64_t max_blocks, int64_t* result, int64_t rivals,
+                   const bool* want, int64_t* rival_ids) {
     // q_x in [-limit, limit], so that |q_j . q_x| <= 127 limit width < 2^31 and h is a signed byte
     const int64_t width = groups_ * 4;
     const int64_t limit = std::min<int64_t>(32639, (int64_t{1} << 31) / (128 * std::max<int64_t>(width, 1)));
@@ -308,6 +337,10 @@ class PackedBF16Linear {
                                         std::sqrt(static_cast<double>(l2) * inflate) * max_row_norm);
     }
     std::vector<float> upper(R * blocks_);  // per row and block: the largest upper bound of its outputs
+    // a rival block's output with the largest bound, found again for the rival blocks only (keeping it for
+    // every block in the pass above cost about 0.3 ms a call for 4 rows)
+    std::vector<float> again(rivals > 0 ? blocks_ : 0);
+    std::vector<uint8_t> lanes(rivals > 0 ? blocks_ : 0);
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks_)));
     std::vector<float> best_lower(threads * R, -std::numeric_limits<float>::infinity());
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
@@ -316,18 +349,34 @@ class PackedBF16Linear {
         for (int r = 0; r < R; ++r) best[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t block = blocks_ * t / threads; block < blocks_ * (t + 1) / threads; ++block)
           screen_block<R>(block, xl.data(), xh.data(), offset, scale_x, weight_term, input_term, sum_error,
-                          upper.data(), best);
+                          upper.data(), nullptr, best);
         for (int r = 0; r < R; ++r) best_lower[t * R + r] = _mm512_reduce_max_ps(best[r]);
       }
     });
     const int64_t lda = pairs_, wstride = pairs_ * kBlock, out = out_features_;
     const auto* w_ptr = reinterpret_cast<const uint32_t*>(packed_.data_ptr<at::BFloat16>());
     std::vector<uint16_t> a(2 * pairs_, 0), c(kBlock);
-    std::vector<int64_t> blocks;
+    std::vector<int64_t> blocks, order(rivals > 0 ? blocks_ : 0);
     for (int r = 0; r < R; ++r) {
       float lower = -std::numeric_limits<float>::infinity();
       for (int t = 0; t < threads; ++t) lower = std::max(lower, best_lower[t * R + r]);
       if (!usable[r] || !std::isfinite(lower)) continue;
+      if (rivals > 0 && want[r]) {  // the blocks with the highest bounds, each by its output with the highest bound
+        const float* bounds = upper.data() + r * blocks_;
+        for (int64_t b = 0; b < blocks_; ++b) order[b] = b;
+        const int64_t top = std::min(rivals, blocks_);
+        std::nth_element(order.begin(), order.begin() + (top - 1), order.end(),
+                         [bounds](int64_t i, int64_t j) { return bounds[i] > bounds[j]; });
+        for (int64_t i = 0; i < top; ++i) {
+          __m512 unused = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          screen_block<1>(order[i], xl.data() + r * groups_, xh.data() + r * groups_, offset + r, scale_x + r,
+                          weight_term + r, input_term + r, sum_error + r, again.data(), lanes.data(), &unused);
+        }
+        for (int64_t i = 0; i < rivals; ++i) {
+          const int64_t b = order[i % top];
+          rival_ids[r * rivals + i] = b * kBlock + lanes[b];
+        }
+      }
       // a block whose largest bound rounds below what the best lower bound rounds to holds no first maximum
       // (rounding to bf16 keeps order, so every bound of the block rounds below it too)
       const float floor = bf16_rounded(lower);
@@ -406,6 +455,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("screened_argmax", &PackedBF16Linear::screened_argmax, pybind11::arg("x"), pybind11::arg("max_row_norm"),
            pybind11::arg("max_blocks"), pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("screened_argmax_rivals", &PackedBF16Linear::screened_argmax_rivals, pybind11::arg("x"),
+           pybind11::arg("max_row_norm"), pybind11::arg("max_blocks"), pybind11::arg("rivals"),
+           pybind11::arg("rival_rows") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("in_features", &PackedBF16Linear::in_features)
       .def_property_readonly("out_features", &PackedBF16Linear::out_features);
 }

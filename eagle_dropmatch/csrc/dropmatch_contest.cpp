@@ -12,7 +12,9 @@
 // the rounding test of dropmatch.may_win for one rounding, no logit transform), and contested_samples adds
 // the selection on the tree (reach, acceptance.could_outrank) in plain loops over its few nodes. The sums run
 // in another order than torch's, which the error bound (dropmatch.accumulation_error) covers, so a child
-// passes here exactly where it passes there except where a logit sits on a rounding boundary.
+// passes here exactly where it passes there except where a logit sits on a rounding boundary. Where the
+// engine takes the undropped tokens from the LM head's int8 screen (no undropped logits), the rivals come from
+// the screen too and are passed in place of the logits; any rivals keep the contest exact.
 //
 // Built at first use by eagle_dropmatch.dropmatch.contest_extension (torch.utils.cpp_extension), for the CPU's
 // vector instructions; the engine runs the Python reference where it cannot be built.
@@ -176,16 +178,21 @@ inline float rounded(float value) {
   return static_cast<float>(static_cast<T>(value));
 }
 
+// rivals_from: the undropped logits [N, V] (each node's rivals picked by rivals_of) or the rivals themselves,
+// int64 [N, R] (the undropped token first, as the engine takes them from the LM head's int8 screen).
 template <typename T>
-at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::Tensor& logits,
+at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::Tensor& rivals_from,
                    const at::Tensor& undropped, const at::Tensor& children, const at::Tensor& parents,
                    const at::Tensor& contested, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                    double max_row_norm) {
-  const int64_t k = masks.size(0), n = masks.size(1), width = masks.size(2), vocab = logits.size(1);
+  const bool given = rivals_from.scalar_type() == at::kLong;  // rivals given, not logits
+  const int64_t k = masks.size(0), n = masks.size(1), width = masks.size(2);
+  const int64_t vocab = given ? weight.size(0) : rivals_from.size(1), rival_width = rivals_from.size(1);
   const int64_t edges = n - 1;
   const T* hidden_ptr = hidden.data_ptr<T>();
   const T* masks_ptr = masks.data_ptr<T>();
-  const T* logits_ptr = logits.data_ptr<T>();
+  const T* logits_ptr = given ? nullptr : rivals_from.data_ptr<T>();
+  const int64_t* rivals_ptr = given ? rivals_from.data_ptr<int64_t>() : nullptr;
   const T* weight_ptr = weight.data_ptr<T>();
   const int64_t* undropped_ptr = undropped.data_ptr<int64_t>();
   const int64_t* children_ptr = children.data_ptr<int64_t>();
@@ -243,8 +250,10 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
     std::vector<int64_t> samples;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t node = nodes[i];
-      std::vector<int64_t> ids = rivals_of(logits_ptr + node * vocab, vocab, undropped_ptr[node], kRivalBlocks,
-                                           kRivalsPerBlock);
+      std::vector<int64_t> ids = given ? std::vector<int64_t>(rivals_ptr + node * rival_width,
+                                                              rivals_ptr + (node + 1) * rival_width)
+                                       : rivals_of(logits_ptr + node * vocab, vocab, undropped_ptr[node],
+                                                   kRivalBlocks, kRivalsPerBlock);
       const int64_t rival_count = static_cast<int64_t>(ids.size());
       const auto& siblings = kids[node];
       for (const int64_t j : siblings) {
@@ -298,45 +307,53 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
 // bool [K, N - 1]: `contested` where the child could be the sample's argmax (dropmatch.contested_children's
 // test with rival_tokens' rivals, one rounding), False elsewhere.
 //
-// hidden [N, H], masks [K, N, H], logits [N, V] (the undropped ones) and weight [V, H] in one dtype (fp32,
-// bf16 or fp16), contiguous, on the CPU; undropped [N], children [N - 1] (the tree's tokens 1..N-1) and
+// hidden [N, H], masks [K, N, H], rivals_from [N, V] (the undropped logits) and weight [V, H] in one dtype (fp32,
+// bf16 or fp16), or rivals_from int64 [N, R] (each node's rivals, its undropped token first, ids in [0, V)),
+// contiguous, on the CPU; undropped [N], children [N - 1] (the tree's tokens 1..N-1) and
 // parents [N - 1] int64; contested bool [K, N - 1], the pairs to test; max_row_norm the largest |row| of
 // weight; bias [V] in their dtype, or None.
-at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks, const at::Tensor& logits,
+at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks, const at::Tensor& rivals_from,
                               const at::Tensor& undropped, const at::Tensor& children, const at::Tensor& parents,
                               const at::Tensor& contested, const at::Tensor& weight, double max_row_norm,
                               const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(masks.dim() == 3 && hidden.dim() == 2 && logits.dim() == 2 && weight.dim() == 2,
-              "expected masks [K, N, H], hidden [N, H], logits [N, V] and weight [V, H]");
+  TORCH_CHECK(masks.dim() == 3 && hidden.dim() == 2 && rivals_from.dim() == 2 && weight.dim() == 2,
+              "expected masks [K, N, H], hidden [N, H], logits [N, V] or rivals [N, R] and weight [V, H]");
   const int64_t k = masks.size(0), n = masks.size(1), width = masks.size(2);
-  TORCH_CHECK(n >= 1 && hidden.size(0) == n && hidden.size(1) == width && logits.size(0) == n &&
-                  weight.size(1) == width && logits.size(1) <= weight.size(0),
-              "shapes do not fit: masks ", masks.sizes(), ", hidden ", hidden.sizes(), ", logits ", logits.sizes(),
-              ", weight ", weight.sizes());
+  const bool given = rivals_from.scalar_type() == at::kLong;
+  TORCH_CHECK(n >= 1 && hidden.size(0) == n && hidden.size(1) == width && rivals_from.size(0) == n &&
+                  weight.size(1) == width && (given ? rivals_from.size(1) >= 1 : rivals_from.size(1) <= weight.size(0)),
+              "shapes do not fit: masks ", masks.sizes(), ", hidden ", hidden.sizes(), ", logits or rivals ",
+              rivals_from.sizes(), ", weight ", weight.sizes());
   TORCH_CHECK(undropped.numel() == n && children.numel() == n - 1 && parents.numel() == n - 1 &&
                   contested.dim() == 2 && contested.size(0) == k && contested.size(1) == n - 1,
               "tree tensors do not fit ", n, " nodes and ", k, " samples");
-  for (const at::Tensor* t : {&hidden, &masks, &logits, &weight, &undropped, &children, &parents, &contested}) {
+  for (const at::Tensor* t : {&hidden, &masks, &rivals_from, &weight, &undropped, &children, &parents, &contested}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "expected contiguous CPU tensors");
   }
-  TORCH_CHECK(masks.scalar_type() == hidden.scalar_type() && logits.scalar_type() == hidden.scalar_type() &&
-                  weight.scalar_type() == hidden.scalar_type(),
+  TORCH_CHECK(masks.scalar_type() == hidden.scalar_type() && weight.scalar_type() == hidden.scalar_type() &&
+                  (given || rivals_from.scalar_type() == hidden.scalar_type()),
               "hidden, masks, logits and weight must share one dtype");
+  const int64_t vocab = given ? weight.size(0) : rivals_from.size(1);
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == hidden.scalar_type() && bias->device().is_cpu() &&
-                                    bias->is_contiguous() && bias->numel() >= logits.size(1)),
+                                    bias->is_contiguous() && bias->numel() >= vocab),
               "the bias must be a contiguous CPU tensor [V] of hidden's dtype");
+  if (given) {  // every rival indexes a row of the weight
+    const int64_t* ids = rivals_from.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(ids, ids + rivals_from.numel(), [vocab](int64_t id) { return id >= 0 && id < vocab; }),
+                "rival ids must be in [0, ", vocab, ")");
+  }
   TORCH_CHECK(undropped.scalar_type() == at::kLong && children.scalar_type() == at::kLong &&
                   parents.scalar_type() == at::kLong && contested.scalar_type() == at::kBool,
               "expected int64 token and parent ids and a bool contest");
   switch (hidden.scalar_type()) {
     case at::kFloat:
-      return contest<float>(hidden, masks, logits, undropped, children, parents, contested, weight, bias,
+      return contest<float>(hidden, masks, rivals_from, undropped, children, parents, contested, weight, bias,
                             max_row_norm);
     case at::kBFloat16:
-      return contest<c10::BFloat16>(hidden, masks, logits, undropped, children, parents, contested, weight, bias,
+      return contest<c10::BFloat16>(hidden, masks, rivals_from, undropped, children, parents, contested, weight, bias,
                                     max_row_norm);
     case at::kHalf:
-      return contest<c10::Half>(hidden, masks, logits, undropped, children, parents, contested, weight, bias,
+      return contest<c10::Half>(hidden, masks, rivals_from, undropped, children, parents, contested, weight, bias,
                                 max_row_norm);
     default:
       TORCH_CHECK(false, "unsupported dtype ", hidden.scalar_type());
@@ -364,7 +381,7 @@ void mark_drops(const T* masks, int64_t rows, int64_t width, std::vector<char>& 
 // tokens, parents and depths [N] int64 describe the tree (root first, depth-major: parents[0] = -1 and every
 // other parent has a lower index); the rest as contested_children.
 std::tuple<at::Tensor, at::Tensor> contested_samples(const at::Tensor& hidden, const at::Tensor& masks,
-                                                     const at::Tensor& logits, const at::Tensor& undropped,
+                                                     const at::Tensor& rivals_from, const at::Tensor& undropped,
                                                      const at::Tensor& tokens, const at::Tensor& parents,
                                                      const at::Tensor& depths, const at::Tensor& weight,
                                                      double max_row_norm, const std::optional<at::Tensor>& bias,
@@ -376,8 +393,9 @@ std::tuple<at::Tensor, at::Tensor> contested_samples(const at::Tensor& hidden, c
                 "tree tensors must be contiguous int64 CPU tensors of ", n, " nodes");
   }
   TORCH_CHECK(masks.device().is_cpu() && masks.is_contiguous(), "expected contiguous CPU tensors");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == n, "shapes do not fit: logits ", logits.sizes());
-  const int64_t vocab = logits.size(1);
+  TORCH_CHECK(rivals_from.dim() == 2 && rivals_from.size(0) == n && weight.dim() == 2,
+              "shapes do not fit: logits or rivals ", rivals_from.sizes(), ", weight ", weight.sizes());
+  const int64_t vocab = rivals_from.scalar_type() == at::kLong ? weight.size(0) : rivals_from.size(1);
   const int64_t* token_ptr = tokens.data_ptr<int64_t>();
   const int64_t* parent_ptr = parents.data_ptr<int64_t>();
   const int64_t* depth_ptr = depths.data_ptr<int64_t>();
@@ -421,7 +439,7 @@ std::tuple<at::Tensor, at::Tensor> contested_samples(const at::Tensor& hidden, c
   if (!any) {
     return {none, none.clone()};
   }
-  const at::Tensor passes = contested_children(hidden, masks, logits, undropped, tokens.slice(0, 1),
+  const at::Tensor passes = contested_children(hidden, masks, rivals_from, undropped, tokens.slice(0, 1),
                                                parents.slice(0, 1), contest, weight, max_row_norm, bias);
   const bool* pass_ptr = passes.data_ptr<bool>();
   // Reach (parents come before their children) and the rank the verifier's path ends by.
@@ -462,12 +480,12 @@ std::tuple<at::Tensor, at::Tensor> contested_samples(const at::Tensor& hidden, c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("contested_children", &contested_children, pybind11::arg("hidden"), pybind11::arg("masks"),
-             pybind11::arg("logits"), pybind11::arg("undropped"), pybind11::arg("children"),
+             pybind11::arg("rivals_from"), pybind11::arg("undropped"), pybind11::arg("children"),
              pybind11::arg("parents"), pybind11::arg("contested"), pybind11::arg("weight"),
              pybind11::arg("max_row_norm"), pybind11::arg("bias") = pybind11::none(),
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("contested_samples", &contested_samples, pybind11::arg("hidden"), pybind11::arg("masks"),
-             pybind11::arg("logits"), pybind11::arg("undropped"), pybind11::arg("tokens"),
+             pybind11::arg("rivals_from"), pybind11::arg("undropped"), pybind11::arg("tokens"),
              pybind11::arg("parents"), pybind11::arg("depths"), pybind11::arg("weight"),
              pybind11::arg("max_row_norm"), pybind11::arg("bias") = pybind11::none(),
              pybind11::arg("rescale") = false, pybind11::call_guard<pybind11::gil_scoped_release>());
