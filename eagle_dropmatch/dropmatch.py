@@ -521,7 +521,8 @@ CONTEST_EXTENSION_NAME = "eagle_dropmatch_contest"
 @functools.cache
 def contest_extension():
     """The compiled module (``csrc/dropmatch_contest.cpp``) whose ``contested_children`` runs
-    ``contested_children`` with ``rival_tokens``' rivals (one rounding, no logit transform) and whose
+    ``contested_children`` with ``rival_tokens``' rivals or rivals given in place of the logits (one rounding,
+    no logit transform) and whose
     ``contested_samples`` runs ``contested_samples``, each in one call, or None where it cannot be built,
     the environment sets ``EAGLE_DROPMATCH_CONTEST_EXTENSION=0``, or it does not judge a check case as the Python
     reference does (one line on stderr says which). Built once per machine (``extensions.load_extension``)."""
