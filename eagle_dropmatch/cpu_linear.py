@@ -161,7 +161,8 @@ def bf16_extension():
     """The compiled module whose ``PackedBF16Linear`` runs a bf16-weight product with AVX512-BF16 dot products
     on all of torch's intra-op threads (``csrc/bf16_linear.cpp``), or None on a CPU it does not run on
     (``bf16_kernel_cpu``), where the environment sets ``EAGLE_DROPMATCH_BF16_EXTENSION=0``, or where it cannot
-    be built or does not compute the fp32 product within its summation bound (``bf16_extension_matches``; one line on stderr says which).
+    be built or does not compute the fp32 product within its summation bound (``bf16_extension_matches``; one
+    line on stderr says which).
     Built once per machine (``extensions.load_extension``) and loaded from the package's cache after."""
     if not bf16_kernel_cpu():
         return None

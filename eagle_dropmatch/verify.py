@@ -339,7 +339,9 @@ def greedy_tokens(lm_head: TargetLMHead | nn.Module, hidden: torch.Tensor, rival
 
     The packed bf16 LM head's int8 screen (``cpu_linear.PrepackedLinear.screened_argmax_rivals``) bounds every
     logit from an int8 copy of the weight and computes only the blocks that can hold the first maximum, with
-    the kernel's own sums, so the tokens are the full product's. A row it leaves open is computed in full.
+    the kernel's own sums, so the tokens are the full product's. A row it leaves open is computed in full;
+    its rivals are still the screen's, or its own token where the screen gave none (a value that is not
+    finite): any rivals keep DropMatch's contest exact.
 
     Args:
         lm_head: the target's LM head.
@@ -362,15 +364,10 @@ def greedy_tokens(lm_head: TargetLMHead | nn.Module, hidden: torch.Tensor, rival
     tokens, rival_ids = chosen  # [S], [S, rivals]
     open_rows = tokens < 0
     if bool(open_rows.any()):  # a host read of a CPU tensor
-        logits = lm_head(hidden[open_rows])  # [O, V]
-        tokens[open_rows] = first_argmax(logits)
-        if rivals:  # their best tokens (any tokens would do), repeated where the vocabulary is smaller
-            top = logits.topk(min(rivals, logits.shape[-1]), dim=-1).indices
-            top = top[:, torch.arange(rivals) % top.shape[1]]  # [O, rivals]
-            rival_ids[open_rows] = top if rival_rows is None else torch.where(rival_rows[open_rows, None], top, -1)
+        tokens[open_rows] = first_argmax(lm_head(hidden[open_rows]))
     if not rivals:
         return tokens, None
-    rival_ids = torch.where(rival_ids < 0, tokens[:, None], rival_ids)  # rows left out: their own token
+    rival_ids = torch.where(rival_ids < 0, tokens[:, None], rival_ids)  # none given: the row's own token
     return tokens, torch.cat([tokens[:, None], rival_ids], dim=1)
 
 

@@ -623,7 +623,7 @@ def test_the_screen_gives_rivals_from_its_highest_blocks_without_changing_its_in
 @bf16
 def test_greedy_tokens_are_the_full_products_and_rows_the_screen_leaves_open_are_computed(monkeypatch):
     """``verify.greedy_tokens`` on a packed bf16 LM head: the tokens of ``first_argmax`` of the logits, the rivals
-    after each row's token; a row the screen leaves open is computed in full (its rivals its best tokens);
+    after each row's token; a row the screen leaves open is computed in full (its rivals still the screen's);
     no screen (fp32 rows, the screen switched off): None."""
     from eagle_dropmatch.acceptance import first_argmax
     from eagle_dropmatch.verify import TargetLMHead, greedy_tokens

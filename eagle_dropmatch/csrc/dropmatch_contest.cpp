@@ -172,6 +172,14 @@ inline void dots_of_rows(const float* xs, int64_t rows, const float* w, int64_t 
   }
 }
 
+// Whether rivals_from holds the rivals themselves (int64 ids) rather than the undropped logits.
+inline bool rivals_given(const at::Tensor& rivals_from) { return rivals_from.scalar_type() == at::kLong; }
+
+// The vocabulary the ids must index: the weight's rows where rivals are given, else the logits' width.
+inline int64_t vocab_of(const at::Tensor& rivals_from, const at::Tensor& weight) {
+  return rivals_given(rivals_from) ? weight.size(0) : rivals_from.size(1);
+}
+
 // A value rounded to the scorer's output dtype, as Tensor.to rounds it (to nearest, ties to even).
 template <typename T>
 inline float rounded(float value) {
@@ -185,9 +193,9 @@ at::Tensor contest(const at::Tensor& hidden, const at::Tensor& masks, const at::
                    const at::Tensor& undropped, const at::Tensor& children, const at::Tensor& parents,
                    const at::Tensor& contested, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                    double max_row_norm) {
-  const bool given = rivals_from.scalar_type() == at::kLong;  // rivals given, not logits
+  const bool given = rivals_given(rivals_from);
   const int64_t k = masks.size(0), n = masks.size(1), width = masks.size(2);
-  const int64_t vocab = given ? weight.size(0) : rivals_from.size(1), rival_width = rivals_from.size(1);
+  const int64_t vocab = vocab_of(rivals_from, weight), rival_width = rivals_from.size(1);
   const int64_t edges = n - 1;
   const T* hidden_ptr = hidden.data_ptr<T>();
   const T* masks_ptr = masks.data_ptr<T>();
@@ -319,9 +327,10 @@ at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks,
   TORCH_CHECK(masks.dim() == 3 && hidden.dim() == 2 && rivals_from.dim() == 2 && weight.dim() == 2,
               "expected masks [K, N, H], hidden [N, H], logits [N, V] or rivals [N, R] and weight [V, H]");
   const int64_t k = masks.size(0), n = masks.size(1), width = masks.size(2);
-  const bool given = rivals_from.scalar_type() == at::kLong;
+  const bool given = rivals_given(rivals_from);
   TORCH_CHECK(n >= 1 && hidden.size(0) == n && hidden.size(1) == width && rivals_from.size(0) == n &&
-                  weight.size(1) == width && (given ? rivals_from.size(1) >= 1 : rivals_from.size(1) <= weight.size(0)),
+                  weight.size(1) == width &&
+                  (given ? rivals_from.size(1) >= 1 : rivals_from.size(1) <= weight.size(0)),
               "shapes do not fit: masks ", masks.sizes(), ", hidden ", hidden.sizes(), ", logits or rivals ",
               rivals_from.sizes(), ", weight ", weight.sizes());
   TORCH_CHECK(undropped.numel() == n && children.numel() == n - 1 && parents.numel() == n - 1 &&
@@ -333,7 +342,7 @@ at::Tensor contested_children(const at::Tensor& hidden, const at::Tensor& masks,
   TORCH_CHECK(masks.scalar_type() == hidden.scalar_type() && weight.scalar_type() == hidden.scalar_type() &&
                   (given || rivals_from.scalar_type() == hidden.scalar_type()),
               "hidden, masks, logits and weight must share one dtype");
-  const int64_t vocab = given ? weight.size(0) : rivals_from.size(1);
+  const int64_t vocab = vocab_of(rivals_from, weight);
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == hidden.scalar_type() && bias->device().is_cpu() &&
                                     bias->is_contiguous() && bias->numel() >= vocab),
               "the bias must be a contiguous CPU tensor [V] of hidden's dtype");
@@ -395,7 +404,7 @@ std::tuple<at::Tensor, at::Tensor> contested_samples(const at::Tensor& hidden, c
   TORCH_CHECK(masks.device().is_cpu() && masks.is_contiguous(), "expected contiguous CPU tensors");
   TORCH_CHECK(rivals_from.dim() == 2 && rivals_from.size(0) == n && weight.dim() == 2,
               "shapes do not fit: logits or rivals ", rivals_from.sizes(), ", weight ", weight.sizes());
-  const int64_t vocab = rivals_from.scalar_type() == at::kLong ? weight.size(0) : rivals_from.size(1);
+  const int64_t vocab = vocab_of(rivals_from, weight);
   const int64_t* token_ptr = tokens.data_ptr<int64_t>();
   const int64_t* parent_ptr = parents.data_ptr<int64_t>();
   const int64_t* depth_ptr = depths.data_ptr<int64_t>();
