@@ -156,20 +156,50 @@ def bf16_kernel_cpu() -> bool:
     return all(check is not None and check() for check in checks)
 
 
+BF16_AVX2_EXTENSION_NAME = "eagle_dropmatch_bf16_linear_avx2"
+BF16_AVX2_FLAGS = ("-O3", "-fopenmp", "-mavx2", "-mfma")
+
+
+def avx2_cpu() -> bool:
+    """Whether this CPU runs AVX2 and FMA code: torch reports an AVX2 or AVX512 capability only with both."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 @functools.cache
 def bf16_extension():
-    """The compiled module whose ``PackedBF16Linear`` runs a bf16-weight product with AVX512-BF16 dot products
-    on all of torch's intra-op threads (``csrc/bf16_linear.cpp``), or None on a CPU it does not run on
-    (``bf16_kernel_cpu``), where the environment sets ``EAGLE_DROPMATCH_BF16_EXTENSION=0``, or where it cannot
-    be built or does not compute the fp32 product within its summation bound (``bf16_extension_matches``; one
-    line on stderr says which).
+    """The compiled module whose ``PackedBF16Linear`` runs this package's bf16-weight product on all of torch's
+    intra-op threads: with AVX512-BF16 dot products (``csrc/bf16_linear.cpp``, which also holds the int8
+    screen) on a CPU that has them (``bf16_kernel_cpu``), else with AVX2 and FMA (``bf16_avx2_extension``,
+    no screen) on a CPU whose best vector code torch runs is AVX2 (an AVX512 CPU without bf16 keeps fbgemm's
+    AVX512 code: the AVX2 build was not measured against it). None elsewhere, where the environment sets
+    ``EAGLE_DROPMATCH_BF16_EXTENSION=0``, or where it cannot be built or does not compute the fp32 product
+    within its summation bound (``bf16_extension_matches``; one line on stderr says which).
     Built once per machine (``extensions.load_extension``) and loaded from the package's cache after."""
     if not bf16_kernel_cpu():
-        return None
+        return bf16_avx2_extension() if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
     return load_extension(BF16_EXTENSION_NAME, "bf16_linear.cpp", "the AVX512-BF16 kernel",
                           "--cpu-prepack auto packs for fbgemm's fp16 kernel or oneDNN instead", BF16_FLAGS,
                           ("-fopenmp",), switch="EAGLE_DROPMATCH_BF16_EXTENSION", check=bf16_extension_matches,
                           reference="the fp32 product")
+
+
+@functools.cache
+def bf16_avx2_extension():
+    """The AVX2 build of this package's bf16 kernel (``csrc/bf16_linear_avx2.cpp``: the bf16 weight widened to
+    fp32 and multiplied with FMA, every output summed in input order by one lane; ``forward`` only, no int8
+    screen), or None on a CPU without AVX2 and FMA (``avx2_cpu``) and where ``bf16_extension`` gives None.
+    What ``bf16_extension`` gives on a CPU whose best vector code is AVX2; tests build it on any AVX2 CPU."""
+    if not avx2_cpu():
+        return None
+    return load_extension(BF16_AVX2_EXTENSION_NAME, "bf16_linear_avx2.cpp", "the AVX2 bf16 kernel",
+                          "--cpu-prepack auto packs for fbgemm's fp16 kernel or oneDNN instead", BF16_AVX2_FLAGS,
+                          ("-fopenmp",), switch="EAGLE_DROPMATCH_BF16_EXTENSION", check=bf16_extension_matches,
+                          reference="the fp32 product")
+
+
+def bf16_screen(module) -> bool:
+    """Whether a bf16 kernel module has the int8 screen (the AVX512 build has it, the AVX2 one not)."""
+    return hasattr(getattr(module, "PackedBF16Linear", None), "screened_argmax_rivals")
 
 
 def bf16_extension_matches(module, shapes=((1, 96, 200), (4, 576, 192), (7, 33, 40), (13, 576, 1536))) -> bool:
@@ -200,9 +230,9 @@ def screen_works() -> bool:
     """Whether the bf16 kernel's ``screened_argmax`` gives ``first_argmax`` of its full product on a check case
     (random rows; rows whose best outputs tie exactly, from repeated weight rows, where the first must win;
     a zero row; a limit of one block, which leaves rows open), or False (one line on stderr) where it does
-    not or there is no bf16 kernel. Cached per process."""
+    not, or there is no bf16 kernel or it has no screen (the AVX2 build). Cached per process."""
     module = bf16_extension()
-    if module is None:
+    if module is None or not bf16_screen(module):
         return False
     from .acceptance import first_argmax
     generator = torch.Generator().manual_seed(0)
@@ -263,16 +293,19 @@ def amx_tiles() -> bool:
 @functools.cache
 def packing_kernel() -> str | None:
     """The kernel that serves packed bf16 weights on this CPU under ``auto`` (a fact of the machine and the
-    torch build, probed once per process): "onednn" on a CPU with AMX tiles; "bf16" on one with AVX512-BF16
-    where this package's kernel (``bf16_extension``) runs; "onednn" there where it does not and the
-    multi-threaded fp16 kernel (``fp16_extension``) is missing; else "fp16" where fbgemm's fp16-weight product
+    torch build, probed once per process): "onednn" on a CPU with AMX tiles; "bf16" on one with AVX512-BF16,
+    or with AVX2 as its best vector code, where this package's kernel (``bf16_extension``) runs; "onednn" where
+    it does not, the CPU has native bf16 and the multi-threaded fp16 kernel (``fp16_extension``) is missing; else "fp16" where fbgemm's fp16-weight product
     runs; else "onednn" where oneDNN packs bf16; else None. On a Zen 4 (AVX512-BF16, no AMX) fbgemm's kernel
     ran SmolLM2's one-token target forward in 17.8 ms against oneDNN's 28.1, and "bf16" a round's tree forward
     in 19.4 ms against fbgemm's 22.0; on a Xeon with AMX oneDNN's ran 12 tokens in 25.3 ms against fbgemm's
-    32.5 (module docstring; "bf16" was not measured there)."""
+    32.5 (module docstring; "bf16" was not measured there). On a 2-core AVX2 Zen 3 the AVX2 build of "bf16"
+    ran plain decoding 1.101x and EAGLE-3 on the 6/3/3 tree 1.063x faster than fbgemm's kernel, and EAGLE-3 on
+    4/3/3 (``loading.default_tree``) 1.104x fbgemm's on 6/3/3 (stop 53, MT-Bench first turns 0-24, side by
+    side)."""
     if amx_tiles() and onednn_packs_bf16():
         return "onednn"
-    if bf16_extension() is not None:  # it probes AVX512-BF16 itself
+    if bf16_extension() is not None:  # it probes the CPU itself
         return "bf16"
     onednn = native_bf16() and onednn_packs_bf16()
     if onednn and fp16_extension() is None:
@@ -313,14 +346,14 @@ def prepack_wanted(mode: str, dtype: torch.dtype, device: str) -> bool:
     if mode in KERNELS:
         if not kernel_available(mode):
             lacks = {"onednn": "oneDNN's bf16 linear ops", "fp16": "fbgemm's fp16 linear ops",
-                     "bf16": "AVX512-BF16 and the compiled bf16 kernel"}[mode]
+                     "bf16": "AVX512-BF16 or AVX2 and the compiled bf16 kernel"}[mode]
             raise ValueError(f"cpu-prepack {mode} needs {lacks}, which this CPU or torch build lacks: use "
                              "--cpu-prepack auto")
         return True
     available = applies and prepack_available()
     if mode == "on" and not available:
-        raise ValueError("cpu-prepack on needs oneDNN's bf16 linear ops, fbgemm's fp16 ones or AVX512-BF16, which "
-                         "this CPU or torch build lacks: use --cpu-prepack off")
+        raise ValueError("cpu-prepack on needs oneDNN's bf16 linear ops, fbgemm's fp16 ones or the compiled bf16 "
+                         "kernel, which this CPU or torch build lacks: use --cpu-prepack off")
     return available
 
 
@@ -342,8 +375,8 @@ class PrepackedLinear(nn.Module):
     Args:
         linear: the layer to wrap; its ``weight`` [out, in] and ``bias`` [out] or None are shared, not copied.
         kernel: "onednn" (bf16 weight reordered by oneDNN, bit for bit the stock output), "fp16" (fp16
-            weight for fbgemm, fp32 arithmetic, the output rounded to bf16) or "bf16" (this package's
-            AVX512-BF16 kernel: the bf16 weight, fp32 sums, the output rounded to bf16); see the module
+            weight for fbgemm, fp32 arithmetic, the output rounded to bf16) or "bf16" (this package's bf16
+            kernel, AVX512-BF16 or AVX2: the bf16 weight, fp32 sums, the output rounded to bf16); see the module
             docstring.
         rows_hint: the row count oneDNN packs for (the engine's calls are 1 to a few dozen rows).
         threads: "fp16" only: run fbgemm on all intra-op threads through ``fp16_extension`` where it is
@@ -360,7 +393,7 @@ class PrepackedLinear(nn.Module):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         if kernel == "bf16" and bf16_extension() is None:
-            raise ValueError("kernel bf16 needs AVX512-BF16 and the compiled bf16 kernel, which this CPU or "
+            raise ValueError("kernel bf16 needs AVX512-BF16 or AVX2 and the compiled bf16 kernel, which this CPU or "
                              "machine lacks")
         self.register_parameter("weight", linear.weight)
         self.register_parameter("bias", linear.bias)  # None too, as nn.Linear does: forward reads both there

@@ -1,7 +1,8 @@
 """The package's small C++ modules (``csrc/``), built once per machine at first use.
 
-Five exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
+Six exist: ``csrc/fp16_linear.cpp`` (fbgemm's fp16 product on all threads: ``cpu_linear.fp16_extension``),
 ``csrc/bf16_linear.cpp`` (a bf16 product with AVX512-BF16 dot products: ``cpu_linear.bf16_extension``),
+``csrc/bf16_linear_avx2.cpp`` (the same product with AVX2 and FMA: ``cpu_linear.bf16_avx2_extension``),
 ``csrc/dropmatch_contest.cpp`` (DropMatch's contest in one call: ``dropmatch.contest_extension``),
 ``csrc/round_ops.cpp`` (the KV cache's compaction, the first argmax and the verifier, each in one call:
 ``round_ops``) and ``csrc/draft_ops.cpp`` (the head's RMSNorm, the tree search's top-k log-probabilities and

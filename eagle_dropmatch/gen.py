@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="bf16 linear layers on the CPU run on weights packed once, faster, the weights held twice: onednn "
            "(oneDNN's bf16 layout, the stock outputs; CPUs with native bf16), fp16 (fbgemm's fp16 weights with "
            "fp32 arithmetic: the same products summed in another order) or bf16 (this package's compiled "
-           "AVX512-BF16 kernel: the bf16 weights, fp32 sums). auto and on pick bf16 on CPUs with AVX512-BF16 "
-           "and no AMX, onednn on CPUs with AMX tiles, else fp16 (onednn where no compiled kernel can be "
-           "built); off: stock layers")
+           "kernel, AVX512-BF16 or AVX2: the bf16 weights, fp32 sums). auto and on pick onednn on CPUs with AMX "
+           "tiles, else bf16 where it builds (AVX512-BF16 or AVX2), else fp16 (onednn where no compiled kernel "
+           "can be built); off: stock layers")
     a("--no-progress", action="store_true", help="no progress bar")
     return p
 

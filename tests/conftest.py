@@ -25,14 +25,15 @@ CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
 
 @pytest.fixture
 def fresh_extension_probes():
-    """The compiled modules' answers (``fp16_extension``, ``bf16_extension`` and its ``screen_works``,
-    ``contest_extension``, ``round_ops``, ``draft_ops``: each cached per process) and the kernel ``auto`` picks
-    forgotten before and after the test."""
-    from eagle_dropmatch.cpu_linear import bf16_extension, fp16_extension, packing_kernel, screen_works
+    """The compiled modules' answers (``fp16_extension``, ``bf16_extension``, ``bf16_avx2_extension``,
+    ``screen_works``, ``contest_extension``, ``round_ops``, ``draft_ops``: each cached per process) and the
+    kernel ``auto`` picks forgotten before and after the test."""
+    from eagle_dropmatch.cpu_linear import (bf16_avx2_extension, bf16_extension, fp16_extension, packing_kernel,
+                                            screen_works)
     from eagle_dropmatch.dropmatch import contest_extension
     from eagle_dropmatch.extensions import draft_ops, round_ops
-    probes = (fp16_extension, bf16_extension, contest_extension, round_ops, draft_ops, packing_kernel,
-              screen_works)
+    probes = (fp16_extension, bf16_extension, bf16_avx2_extension, contest_extension, round_ops, draft_ops,
+              packing_kernel, screen_works)
     for probe in probes:
         probe.cache_clear()
     yield

@@ -24,8 +24,15 @@ def can_build_extensions() -> bool:
     return shutil.which("c++") is not None and is_ninja_available()
 
 
-bf16 = pytest.mark.skipif(not (cpu_linear.bf16_kernel_cpu() and can_build_extensions()),
-                          reason="the bf16 kernel needs AVX512-BF16, AVX512-VNNI, a C++ compiler and ninja")
+bf16 = pytest.mark.skipif(not ((cpu_linear.bf16_kernel_cpu() or torch.backends.cpu.get_cpu_capability() == "AVX2")
+                               and can_build_extensions()),
+                          reason="the bf16 kernel needs AVX512-BF16 and AVX512-VNNI or AVX2 as the CPU's best vector "
+                                 "code, a C++ compiler and ninja")
+avx2 = pytest.mark.skipif(not (cpu_linear.avx2_cpu() and can_build_extensions()),
+                          reason="the bf16 kernel's AVX2 build needs AVX2, FMA, a C++ compiler and ninja")
+screen = pytest.mark.skipif(not (cpu_linear.bf16_kernel_cpu() and can_build_extensions()),
+                            reason="the bf16 kernel's int8 screen needs AVX512-BF16, AVX512-VNNI, a C++ compiler and "
+                                   "ninja")
 KERNELS = [pytest.param("onednn", marks=onednn), pytest.param("fp16", marks=fp16), pytest.param("bf16", marks=bf16)]
 
 
@@ -247,18 +254,83 @@ def test_a_bf16_extension_is_checked_against_the_fp32_product_and_row_by_row():
 
 
 @bf16
-def test_the_bf16_extension_builds_and_passes_its_check_where_the_cpu_has_avx512_bf16():
+def test_the_bf16_extension_builds_and_passes_its_check_where_the_cpu_has_avx512_bf16_or_avx2():
     module = cpu_linear.bf16_extension()
     assert module is not None and cpu_linear.bf16_extension_matches(module)
+    assert cpu_linear.bf16_screen(module) == cpu_linear.bf16_kernel_cpu()  # the AVX2 build has no screen
 
 
-def test_without_avx512_bf16_there_is_no_bf16_kernel(monkeypatch, fresh_extension_probes):
+def test_without_avx512_bf16_or_avx2_there_is_no_bf16_kernel(monkeypatch, fresh_extension_probes):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     assert cpu_linear.bf16_extension() is None and not cpu_linear.kernel_available("bf16")
-    with pytest.raises(ValueError, match="kernel bf16 needs AVX512-BF16"):
+    with pytest.raises(ValueError, match="kernel bf16 needs AVX512-BF16 or AVX2"):
         PrepackedLinear(bf16_linear(8, 8, False, fp16_values=False), "bf16")
-    with pytest.raises(ValueError, match="cpu-prepack bf16 needs AVX512-BF16 and the compiled bf16 kernel"):
+    with pytest.raises(ValueError, match="cpu-prepack bf16 needs AVX512-BF16 or AVX2 and the compiled bf16 kernel"):
         cpu_linear.kernel_for("bf16", torch.bfloat16, "cpu")
+
+
+def test_an_avx512_cpu_without_bf16_keeps_fbgemm(monkeypatch, fresh_extension_probes):
+    """The AVX2 build serves CPUs whose best vector code is AVX2; it was not measured against fbgemm's AVX512
+    code, so an AVX512 CPU without bf16 gets no bf16 kernel from ``bf16_extension``."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    built = []
+    monkeypatch.setattr(cpu_linear, "bf16_avx2_extension", lambda: built.append(1) or object())
+    assert cpu_linear.bf16_extension() is None and not built
+    cpu_linear.bf16_extension.cache_clear()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cpu_linear.bf16_extension() is not None and built
+
+
+@avx2
+@pytest.mark.parametrize("inputs,outputs,bias", [(576, 1536, False), (1536, 576, True), (33, 40, True), (5, 3, False),
+                                                 (97, 300, False)])
+def test_the_avx2_build_gives_the_fp32_product_with_each_row_as_it_is_alone(inputs, outputs, bias):
+    """``csrc/bf16_linear_avx2.cpp`` on any AVX2 CPU (an AVX512 one too): the fp32 product of the bf16 weights
+    and inputs up to the order of the sums, a row's output the same bit for bit whatever rows are beside it
+    (groups of 6 rows, tiles of 1-4 blocks of 16 columns, a partial last block) and on 1 or 2 threads; a row
+    holding NaN or infinity gives what the fp32 product gives there; no screen."""
+    module = cpu_linear.bf16_avx2_extension()
+    assert module is not None and cpu_linear.bf16_extension_matches(module) and not cpu_linear.bf16_screen(module)
+    linear = bf16_linear(inputs, outputs, bias, fp16_values=False)
+    packed = module.PackedBF16Linear(linear.weight)
+    x = torch.randn(14, inputs, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x[13, 0] = float("nan")
+    x[12, -1] = float("inf")
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            alone = torch.cat([packed.forward(row[None], linear.bias) for row in x])
+            exact = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
+            assert cpu_linear.within_summation_bound(alone[:12], x[:12], linear.weight.float(), linear.bias)
+            assert torch.equal(alone[12:].float().isnan(), exact[12:].to(torch.bfloat16).float().isnan())
+            assert torch.equal(alone[12:].float().isinf(), exact[12:].to(torch.bfloat16).float().isinf())
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for rows in (1, 2, 3, 4, 5, 6, 7, 12, 13, 14):
+                    assert torch.equal(packed.forward(x[:rows], linear.bias).view(-1).view(torch.int16),
+                                       alone[:rows].view(-1).view(torch.int16)), (threads, rows)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@avx2
+def test_on_a_cpu_whose_best_code_is_avx2_the_bf16_kernel_is_the_avx2_build_without_a_screen(
+        monkeypatch, fresh_extension_probes):
+    """Where torch runs AVX2 code at best (no AVX512-BF16), ``bf16_extension`` is the AVX2 build, "bf16" layers
+    run on it, and ``screened_argmax`` says there is no screen (decoding then scores its rows in full)."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cpu_linear.bf16_extension() is cpu_linear.bf16_avx2_extension() is not None
+    linear = bf16_linear(64, 300, False, fp16_values=False)
+    packed = PrepackedLinear(linear, "bf16")
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        assert cpu_linear.within_summation_bound(packed(x), x, linear.weight.float(), None)
+        assert not cpu_linear.screen_works() and packed.screened_argmax(x, 1.0) is None
+        assert packed.screened_argmax_rivals(x, 1.0, 4) is None
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -407,7 +479,8 @@ def test_the_kernel_probe_says_what_this_cpu_packs():
     (False, True, True, True, True, True, "bf16"),        # AVX512-BF16 without AMX (Zen 4), our bf16 kernel built
     (False, True, True, False, True, True, "fp16"),       # ... without it, the compiled fp16 kernel: fbgemm
     (False, True, True, False, False, True, "onednn"),    # ... without either (fbgemm on one thread): oneDNN
-    (False, False, False, False, True, True, "fp16"),     # AVX2 only: fbgemm
+    (False, False, False, True, True, True, "bf16"),      # AVX2 only, the AVX2 build of our bf16 kernel built
+    (False, False, False, False, True, True, "fp16"),     # AVX2 only, without it: fbgemm
     (False, False, False, False, False, True, "fp16"),    # ... even on one thread
     (False, True, True, False, True, False, "onednn"),    # a torch without fbgemm
     (False, True, False, True, False, False, "bf16"),     # ... nor oneDNN's bf16 packing, but our kernel
@@ -562,12 +635,12 @@ def screen_case(outputs=1000, inputs=97, seed=0):
     return packed, (lambda rows, max_blocks: packed.screened_argmax(rows, norm, max_blocks)), x.to(torch.bfloat16)
 
 
-@bf16
+@screen
 def test_the_screen_passes_its_check():
     assert cpu_linear.screen_works()
 
 
-@bf16
+@screen
 @pytest.mark.parametrize("outputs,inputs", [(1000, 97), (49, 576), (2000, 64)])
 def test_the_screen_gives_the_full_products_first_argmax(outputs, inputs):
     from eagle_dropmatch.acceptance import first_argmax
@@ -581,7 +654,7 @@ def test_the_screen_gives_the_full_products_first_argmax(outputs, inputs):
         assert expected[9:14].tolist() == list(range(100, 105))
 
 
-@bf16
+@screen
 @pytest.mark.parametrize("rows", range(1, 10))
 def test_the_screen_gives_the_same_indices_for_any_row_count(rows):
     """Up to 8 rows share each pass over the int8 weight (a kernel per count); 9 rows take two passes."""
@@ -592,7 +665,7 @@ def test_the_screen_gives_the_same_indices_for_any_row_count(rows):
         assert torch.equal(screened(part, 10 ** 6), first_argmax(packed.forward(part, None)))
 
 
-@bf16
+@screen
 @pytest.mark.parametrize("outputs,rivals", [(1000, 8), (1000, 64), (49, 8)])
 def test_the_screen_gives_rivals_from_its_highest_blocks_without_changing_its_indices(outputs, rivals):
     """``screened_argmax_rivals``: the same indices as ``screened_argmax``; per row, one output of each of the
@@ -620,7 +693,7 @@ def test_the_screen_gives_rivals_from_its_highest_blocks_without_changing_its_in
     assert bool(torch.isfinite(logits[rows]).all())
 
 
-@bf16
+@screen
 def test_greedy_tokens_are_the_full_products_and_rows_the_screen_leaves_open_are_computed(monkeypatch):
     """``verify.greedy_tokens`` on a packed bf16 LM head: the tokens of ``first_argmax`` of the logits, the rivals
     after each row's token; a row the screen leaves open is computed in full (its rivals still the screen's);
@@ -647,7 +720,7 @@ def test_greedy_tokens_are_the_full_products_and_rows_the_screen_leaves_open_are
         assert greedy_tokens(head, x) is None
 
 
-@bf16
+@screen
 def test_a_screen_that_picks_otherwise_is_not_used(monkeypatch, fresh_extension_probes, capsys):
     real = cpu_linear.bf16_extension()
 
@@ -669,7 +742,7 @@ def test_a_screen_that_picks_otherwise_is_not_used(monkeypatch, fresh_extension_
     assert "int8 screen differs" in capsys.readouterr().err
 
 
-@bf16
+@screen
 def test_the_screen_leaves_rows_that_are_not_finite_open():
     _, screened, x = screen_case()
     x[2, 5] = float("inf")
@@ -678,7 +751,7 @@ def test_the_screen_leaves_rows_that_are_not_finite_open():
     assert out[2] == -1 and out[3] == -1 and bool((out[4:] >= 0).all())
 
 
-@bf16
+@screen
 def test_a_prepacked_head_screens_only_where_it_can_and_follows_a_changed_weight():
     from eagle_dropmatch.acceptance import first_argmax
     linear = bf16_linear(96, 800, bias=False, fp16_values=False)
@@ -696,7 +769,7 @@ def test_a_prepacked_head_screens_only_where_it_can_and_follows_a_changed_weight
         assert PrepackedLinear(linear, "onednn").screened_argmax(x, norm) is None
 
 
-@bf16
+@screen
 def test_decoding_takes_its_greedy_tokens_through_the_screen_with_the_same_tokens(monkeypatch):
     """A bf16 target whose LM head is packed for the bf16 kernel: plain decoding, lossless EAGLE-3 and contested
     DropMatch take their undropped tokens (and DropMatch its rivals and sample rows) from the screen, which is
