@@ -287,8 +287,10 @@ def default_tree(kernel: str | None, capability: str | None = None, amx: bool | 
     12/4/3, 16/3/4, 16/4/4, 20/4/4 and 24/5/4 gave 0.93-1.06x and none led in both. 4/3/3 on this package's
     AVX512-BF16 kernel too: it makes each row cheaper, yet on MT-Bench first turns 0-24 (a Zen 4, stop 47)
     5/3/3, 6/3/3 and 8/3/3 ran 0.981x, 0.977x and 0.986x 4/3/3's tokens/s for tau 1.964, 1.987 and 2.110
-    against 1.882. README, "Tree shape", "Which kernel", "On an Intel Xeon with AMX" and "On a CPU without
-    native bf16".
+    against 1.882; on its AVX2 build (a Zen 3, stop 53, the same questions) 5/3/3 and 4/4/2 ran 0.996x and
+    1.006x 4/3/3's tokens/s, and 6/3/3 0.964x in another run. README, "Tree shape", "Which kernel", "On an
+    Intel Xeon with AMX" and "On a CPU without native bf16"; docs/MACHINES.md, "On an AMD EPYC Zen 3, AVX2
+    only (stop 53)".
     """
     if kernel is None:
         return TreeShape(8, 3, 2)
