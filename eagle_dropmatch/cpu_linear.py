@@ -52,6 +52,12 @@ on stderr saying why.
   head slower, 1.25 against 1.08 ms) and faster for more (57.2 against 61.7 us for 4, 68.8 against 98.6 for
   8). In decoding the target's forward in a round of the 4/3/3 tree took 19.4 ms against fbgemm's 22.0
   (``scripts/bench_round.py``; stop 47; README, "A bf16 kernel of our own").
+  On a CPU whose best vector code is AVX2 (no bf16 arithmetic) "bf16" runs the same product from an AVX2
+  build (``bf16_avx2_extension``, ``csrc/bf16_linear_avx2.cpp``): lines of 16 columns of one input, each
+  bf16 weight widened to fp32 by a shift, FMA in input order per output lane, up to 6 rows per line loaded;
+  no int8 screen. ``auto`` picks it there. On a 2-core Zen 3, weights streamed: 576 x 1536 1 row 72.4 against
+  fbgemm's 84.7 us, 4 rows 92.3 against 100.5, 6 rows 102.3 against 99.6; plain decoding 1.101x faster and
+  EAGLE-3 on the same tree 1.063x (stop 53; docs/MACHINES.md, "On an AMD EPYC Zen 3, AVX2 only").
 
 ``PrepackedLinear`` keeps the module's ``weight`` and ``bias`` parameters (so tied embeddings, state dicts and
 every ``.weight`` reader see the same tensors) and holds the packed copy beside them: the weights' memory is
@@ -295,8 +301,9 @@ def packing_kernel() -> str | None:
     """The kernel that serves packed bf16 weights on this CPU under ``auto`` (a fact of the machine and the
     torch build, probed once per process): "onednn" on a CPU with AMX tiles; "bf16" on one with AVX512-BF16,
     or with AVX2 as its best vector code, where this package's kernel (``bf16_extension``) runs; "onednn" where
-    it does not, the CPU has native bf16 and the multi-threaded fp16 kernel (``fp16_extension``) is missing; else "fp16" where fbgemm's fp16-weight product
-    runs; else "onednn" where oneDNN packs bf16; else None. On a Zen 4 (AVX512-BF16, no AMX) fbgemm's kernel
+    it does not, the CPU has native bf16 and the multi-threaded fp16 kernel (``fp16_extension``) is missing;
+    else "fp16" where fbgemm's fp16-weight product runs; else "onednn" where oneDNN packs bf16; else None. On a
+    Zen 4 (AVX512-BF16, no AMX) fbgemm's kernel
     ran SmolLM2's one-token target forward in 17.8 ms against oneDNN's 28.1, and "bf16" a round's tree forward
     in 19.4 ms against fbgemm's 22.0; on a Xeon with AMX oneDNN's ran 12 tokens in 25.3 ms against fbgemm's
     32.5 (module docstring; "bf16" was not measured there). On a 2-core AVX2 Zen 3 the AVX2 build of "bf16"
@@ -393,8 +400,8 @@ class PrepackedLinear(nn.Module):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         if kernel == "bf16" and bf16_extension() is None:
-            raise ValueError("kernel bf16 needs AVX512-BF16 or AVX2 and the compiled bf16 kernel, which this CPU or "
-                             "machine lacks")
+            raise ValueError("kernel bf16 needs AVX512-BF16 or AVX2 and the compiled bf16 kernel, which this CPU "
+                             "or machine lacks")
         self.register_parameter("weight", linear.weight)
         self.register_parameter("bias", linear.bias)  # None too, as nn.Linear does: forward reads both there
         self.in_features, self.out_features = linear.in_features, linear.out_features
