@@ -171,18 +171,28 @@ def avx2_cpu() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def bf16_build() -> str | None:
+    """Which build of this package's bf16 kernel serves this CPU: "avx512" where it has AVX512-BF16 and
+    AVX512-VNNI (``bf16_kernel_cpu``; the build with the int8 screen), "avx2" where torch's best vector code is
+    AVX2, else None (an AVX512 CPU without bf16 keeps fbgemm's AVX512 code, which the AVX2 build was not
+    measured against). Read from torch's CPU probes at each call."""
+    if bf16_kernel_cpu():
+        return "avx512"
+    return "avx2" if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
+
+
 @functools.cache
 def bf16_extension():
     """The compiled module whose ``PackedBF16Linear`` runs this package's bf16-weight product on all of torch's
     intra-op threads: with AVX512-BF16 dot products (``csrc/bf16_linear.cpp``, which also holds the int8
-    screen) on a CPU that has them (``bf16_kernel_cpu``), else with AVX2 and FMA (``bf16_avx2_extension``,
-    no screen) on a CPU whose best vector code torch runs is AVX2 (an AVX512 CPU without bf16 keeps fbgemm's
-    AVX512 code: the AVX2 build was not measured against it). None elsewhere, where the environment sets
+    screen) on a CPU that has them, else with AVX2 and FMA (``bf16_avx2_extension``, no screen) on a CPU whose
+    best vector code torch runs is AVX2 (``bf16_build`` says which). None elsewhere, where the environment sets
     ``EAGLE_DROPMATCH_BF16_EXTENSION=0``, or where it cannot be built or does not compute the fp32 product
     within its summation bound (``bf16_extension_matches``; one line on stderr says which).
     Built once per machine (``extensions.load_extension``) and loaded from the package's cache after."""
-    if not bf16_kernel_cpu():
-        return bf16_avx2_extension() if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
+    build = bf16_build()
+    if build != "avx512":
+        return bf16_avx2_extension() if build == "avx2" else None
     return load_extension(BF16_EXTENSION_NAME, "bf16_linear.cpp", "the AVX512-BF16 kernel",
                           "--cpu-prepack auto packs for fbgemm's fp16 kernel or oneDNN instead", BF16_FLAGS,
                           ("-fopenmp",), switch="EAGLE_DROPMATCH_BF16_EXTENSION", check=bf16_extension_matches,
