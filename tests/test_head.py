@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_dropmatch.head import (DraftAttention, DraftCache, HeadConfig, HeadError, RMSNorm, apply_rope,
-                                  check_aux_layer_ids, default_aux_layer_ids, load_head, save_head)
+                                  check_aux_layer_ids, default_aux_layer_ids, grouped_attention, load_head,
+                                  save_head)
 from eagle_dropmatch.loading import LoadError, attach_head
 from eagle_dropmatch.tree import DraftTree, draft_tree, select_tree
 
@@ -234,3 +235,44 @@ def test_rope_is_the_rotate_half_formula_bit_for_bit(dtype):
     rotated = torch.cat((-halves[1], halves[0]), dim=-1)
     reference = x * angles.cos().to(dtype) + rotated * angles.sin().to(dtype)
     assert torch.equal(apply_rope(x, cos, signed_sin), reference)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+@pytest.mark.parametrize("queries", [1, 3, 6])
+def test_packed_grouped_attention_is_enable_gqa_attention(queries, masked):
+    """At inference the query heads of a key/value head are packed as its queries, the mask repeated per head:
+    the result is SDPA's with enable_gqa up to the order of fp32 sums, for each query and head (a row of
+    the mask that reaches only some keys, a batch of 2)."""
+    gen = torch.Generator().manual_seed(queries)
+    q = torch.randn(2, 6, queries, 16, generator=gen)  # 6 query heads over 2 key/value heads
+    k, v = torch.randn(2, 2, 11, 16, generator=gen), torch.randn(2, 2, 11, 16, generator=gen)
+    mask = None
+    if masked:
+        mask = torch.rand(1, 1, queries, 11, generator=gen) < 0.5
+        mask[..., 0] = True
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with torch.no_grad():
+        packed = grouped_attention(q, k, v, mask, groups=3)
+    assert packed.shape == reference.shape == (2, 6, queries, 16)
+    torch.testing.assert_close(packed, reference, rtol=0, atol=2e-6)
+    with torch.enable_grad():  # training keeps enable_gqa: bit for bit
+        assert torch.equal(grouped_attention(q, k, v, mask, groups=3), reference)
+
+
+def test_a_packed_head_step_matches_the_enable_gqa_one(target):
+    """A tree level's head step (3 queries under a tree mask over a cached context) with the packed attention
+    gives the hidden states the enable_gqa attention gives, up to fp32 rounding."""
+    head = tiny_head(target)
+    assert head.cfg.num_attention_heads > head.cfg.num_key_value_heads  # grouped: the packed path runs
+    gen = torch.Generator().manual_seed(3)
+    features = torch.randn(1, 5, 3 * head.cfg.feature_size, generator=gen)
+    tokens = torch.randint(0, head.cfg.vocab_size, (1, 5), generator=gen)
+    mask = torch.ones(1, 1, 3, 8, dtype=torch.bool)
+    mask[0, 0, :, 5:] = torch.eye(3, dtype=torch.bool)
+    levels = {}
+    for grad in (False, True):  # gradients on: enable_gqa
+        cache = DraftCache()
+        with torch.set_grad_enabled(grad):
+            context = head(features, tokens, torch.arange(5)[None], cache)
+            levels[grad] = head(context[:, -1:].expand(1, 3, -1), tokens[:, :3], torch.full((1, 3), 5), cache, mask)
+    torch.testing.assert_close(levels[False], levels[True].detach(), rtol=0, atol=1e-5)
