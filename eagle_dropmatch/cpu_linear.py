@@ -54,7 +54,7 @@ on stderr saying why.
   (``scripts/bench_round.py``; stop 47; README, "A bf16 kernel of our own").
   On a CPU whose best vector code is AVX2 (no bf16 arithmetic) "bf16" runs the same product from an AVX2
   build (``bf16_avx2_extension``, ``csrc/bf16_linear_avx2.cpp``): lines of 16 columns of one input, each
-  bf16 weight widened to fp32 by a shift, FMA in input order per output lane, up to 6 rows per line loaded;
+  bf16 weight widened to fp32 by a shift or a mask, FMA in input order per output lane, up to 6 rows per line loaded;
   no int8 screen. ``auto`` picks it there. On a 2-core Zen 3, weights streamed: 576 x 1536 1 row 72.4 against
   fbgemm's 84.7 us, 4 rows 92.3 against 100.5, 6 rows 102.3 against 99.6; plain decoding 1.101x faster and
   EAGLE-3 on the same tree 1.063x (stop 53; docs/MACHINES.md, "On an AMD EPYC Zen 3, AVX2 only").

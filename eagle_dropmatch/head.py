@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .extensions import TORCH_SUM_LANES, draft_ops
+from .tree_attention import packed_gqa_attention
 
 
 class HeadError(ValueError):
@@ -140,8 +141,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """Scaled dot-product attention with ``groups`` query heads per key/value head (query head h reads
     key/value head h // groups).
 
-    On the CPU at inference the query heads of a key/value head are packed as that head's queries (the mask
-    repeated for each), as the target's plain step is (``tree_attention``): PyTorch's CPU kernel is slow with
+    On the CPU at inference the query heads of a key/value head are packed as that head's queries
+    (``tree_attention.packed_gqa_attention``, as the target's plain step is): PyTorch's CPU kernel is slow with
     ``enable_gqa`` in bf16, under a mask or with one query. With the bundled head's heads (9 query, 3
     key/value, 64 dims, bf16, 2-core Zen 3) one call took 286 us with ``enable_gqa`` against 74 packed for one
     query over 400 keys, 132 against 90 for a tree level's 3 queries (625 / 137 and 281 / 163 over 900). The
@@ -159,12 +160,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if not q.is_cpu or torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    b, heads, s, hd = q.shape
-    packed = q.reshape(b, heads // groups, groups * s, hd)  # row g * S + i: query head (kv * groups + g), query i
-    if mask is not None:
-        rows, t = mask.shape[0], mask.shape[-1]
-        mask = mask[:, :, None].expand(rows, 1, groups, s, t).reshape(rows, 1, groups * s, t)
-    return F.scaled_dot_product_attention(packed, k, v, attn_mask=mask).view(b, heads, s, hd)
+    return packed_gqa_attention(q, k, v, mask, groups)
 
 
 class DraftCache:

@@ -35,6 +35,30 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NATIVE_GQA_SDPA = "eagle_dropmatch_sdpa"  # the attention implementation's name in transformers' registries
 
 
+def packed_gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                         groups: int, dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention`` with ``groups`` query heads per key/value head (query head h reads
+    key/value head h // groups), the query heads of each key/value head packed as that head's queries and the
+    mask repeated for each: the same attention as ``enable_gqa``, up to the order of fp32 sums, without its slow
+    CPU paths (one query; a mask, in bf16). Used by plain decoding's step here and by the draft head
+    (``head.grouped_attention``).
+
+    Args:
+        query: [B, heads, S, hd]; key, value: [B, kv_heads, T, hd].
+        mask: bool [B or 1, 1, S, T] (True = attend) or None (every query attends to every key).
+
+    Returns:
+        [B, heads, S, hd].
+    """
+    batch, heads, queries, head_dim = query.shape
+    packed = query.reshape(batch, heads // groups, groups * queries, head_dim)  # row g * S + i: head kv * groups + g
+    if mask is not None:
+        rows, keys = mask.shape[0], mask.shape[-1]
+        mask = mask[:, :, None].expand(rows, 1, groups, queries, keys).reshape(rows, 1, groups * queries, keys)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out.view(batch, heads, queries, head_dim)
+
+
 def sdpa_native_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -58,9 +82,8 @@ def sdpa_native_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if attention_mask is None:  # plain decoding's step: one query, grouped heads
-        packed = query.reshape(batch, heads // groups, groups, head_dim)  # query heads of a key/value head as queries
-        out = F.scaled_dot_product_attention(packed, key, value, dropout_p=dropout, scale=scaling)
-        return out.reshape(batch, heads, 1, head_dim).transpose(1, 2).contiguous(), None  # [B, 1, heads, hd]
+        out = packed_gqa_attention(query, key, value, None, groups, dropout=dropout, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None  # [B, 1, heads, hd]
     # With a mask transformers passes is_causal=False to the kernel too: the mask says everything.
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, enable_gqa=True)  # [B, heads, S, hd]
