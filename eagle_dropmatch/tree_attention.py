@@ -73,7 +73,7 @@ def sdpa_native_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         ([B, S, heads, hd] attention output, None).
     """
     groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, queries, head_dim = query.shape
+    queries = query.shape[2]
     special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
     # Two cases are handled here, with grouped heads: one query without a mask (packed) and several under a
     # mask (enable_gqa); transformers' own function takes the rest.
