@@ -55,9 +55,11 @@ on stderr saying why.
   On a CPU whose best vector code is AVX2 (no bf16 arithmetic) "bf16" runs the same product from an AVX2
   build (``bf16_avx2_extension``, ``csrc/bf16_linear_avx2.cpp``): lines of 16 columns of one input, each
   bf16 weight widened to fp32 by a shift or a mask, FMA in input order per output lane, up to 6 rows per line loaded;
-  no int8 screen. ``auto`` picks it there. On a 2-core Zen 3, weights streamed: 576 x 1536 1 row 72.4 against
-  fbgemm's 84.7 us, 4 rows 92.3 against 100.5, 6 rows 102.3 against 99.6; plain decoding 1.101x faster and
-  EAGLE-3 on the same tree 1.063x (stop 53; docs/MACHINES.md, "On an AMD EPYC Zen 3, AVX2 only").
+  its int8 screen widens int8 weights to int16 for VPMADDWD and serves up to 4 rows (``screen_max_rows``: more
+  are faster in full on AVX2; stop 56). ``auto`` picks it there. On a 2-core Zen 3, weights streamed: 576 x 1536
+  1 row 72.4 against fbgemm's 84.7 us, 4 rows 92.3 against 100.5, 6 rows 102.3 against 99.6; plain decoding
+  1.101x faster and EAGLE-3 on the same tree 1.063x (stop 53; docs/MACHINES.md, "On an AMD EPYC Zen 3, AVX2
+  only").
 
 ``PrepackedLinear`` keeps the module's ``weight`` and ``bias`` parameters (so tied embeddings, state dicts and
 every ``.weight`` reader see the same tensors) and holds the packed copy beside them: the weights' memory is
@@ -156,8 +158,8 @@ BF16_FLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx
 
 
 def bf16_kernel_cpu() -> bool:
-    """Whether this CPU runs the bf16 kernel: AVX512-BF16 for its products and AVX512-VNNI for its int8 screen
-    (every CPU with the first has the second). Read from torch's CPU probes at each call."""
+    """Whether this CPU runs the bf16 kernel's AVX512 build: AVX512-BF16 for its products and AVX512-VNNI for its
+    int8 screen (every CPU with the first has the second). Read from torch's CPU probes at each call."""
     checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_vnni_supported")]
     return all(check is not None and check() for check in checks)
 
@@ -173,9 +175,9 @@ def avx2_cpu() -> bool:
 
 def bf16_build() -> str | None:
     """Which build of this package's bf16 kernel serves this CPU: "avx512" where it has AVX512-BF16 and
-    AVX512-VNNI (``bf16_kernel_cpu``; the build with the int8 screen), "avx2" where torch's best vector code is
-    AVX2, else None (an AVX512 CPU without bf16 keeps fbgemm's AVX512 code, which the AVX2 build was not
-    measured against). Read from torch's CPU probes at each call."""
+    AVX512-VNNI (``bf16_kernel_cpu``), "avx2" where torch's best vector code is AVX2, else None (an AVX512 CPU
+    without bf16 keeps fbgemm's AVX512 code, which the AVX2 build was not measured against). Read from torch's
+    CPU probes at each call."""
     if bf16_kernel_cpu():
         return "avx512"
     return "avx2" if torch.backends.cpu.get_cpu_capability() == "AVX2" else None
@@ -184,9 +186,9 @@ def bf16_build() -> str | None:
 @functools.cache
 def bf16_extension():
     """The compiled module whose ``PackedBF16Linear`` runs this package's bf16-weight product on all of torch's
-    intra-op threads: with AVX512-BF16 dot products (``csrc/bf16_linear.cpp``, which also holds the int8
-    screen) on a CPU that has them, else with AVX2 and FMA (``bf16_avx2_extension``, no screen) on a CPU whose
-    best vector code torch runs is AVX2 (``bf16_build`` says which). None elsewhere, where the environment sets
+    intra-op threads: with AVX512-BF16 dot products (``csrc/bf16_linear.cpp``; its int8 screen on VNNI) on a CPU
+    that has them, else with AVX2 and FMA (``bf16_avx2_extension``) on a CPU whose best vector code torch runs
+    is AVX2 (``bf16_build`` says which). None elsewhere, where the environment sets
     ``EAGLE_DROPMATCH_BF16_EXTENSION=0``, or where it cannot be built or does not compute the fp32 product
     within its summation bound (``bf16_extension_matches``; one line on stderr says which).
     Built once per machine (``extensions.load_extension``) and loaded from the package's cache after."""
@@ -202,8 +204,9 @@ def bf16_extension():
 @functools.cache
 def bf16_avx2_extension():
     """The AVX2 build of this package's bf16 kernel (``csrc/bf16_linear_avx2.cpp``: the bf16 weight widened to
-    fp32 and multiplied with FMA, every output summed in input order by one lane; ``forward`` only, no int8
-    screen), or None on a CPU without AVX2 and FMA (``avx2_cpu``) and where ``bf16_extension`` gives None.
+    fp32 and multiplied with FMA, every output summed in input order by one lane; its int8 screen on up to
+    ``screen_max_rows`` rows), or None on a CPU without AVX2 and FMA (``avx2_cpu``) and where ``bf16_extension``
+    gives None.
     What ``bf16_extension`` gives on a CPU whose best vector code is AVX2; tests build it on any AVX2 CPU."""
     if not avx2_cpu():
         return None
@@ -214,7 +217,7 @@ def bf16_avx2_extension():
 
 
 def bf16_screen(module) -> bool:
-    """Whether a bf16 kernel module has the int8 screen (the AVX512 build has it, the AVX2 one not)."""
+    """Whether a bf16 kernel module has the int8 screen (both builds have it since stop 56)."""
     return hasattr(getattr(module, "PackedBF16Linear", None), "screened_argmax_rivals")
 
 
@@ -246,7 +249,7 @@ def screen_works() -> bool:
     """Whether the bf16 kernel's ``screened_argmax`` gives ``first_argmax`` of its full product on a check case
     (random rows; rows whose best outputs tie exactly, from repeated weight rows, where the first must win;
     a zero row; a limit of one block, which leaves rows open), or False (one line on stderr) where it does
-    not, or there is no bf16 kernel or it has no screen (the AVX2 build). Cached per process."""
+    not, or there is no bf16 kernel or it has no screen. Cached per process."""
     module = bf16_extension()
     if module is None or not bf16_screen(module):
         return False
@@ -469,7 +472,8 @@ class PrepackedLinear(nn.Module):
         its bytes, bounds which outputs can be the maximum, and only their blocks are computed, by the kernel's
         own sums); -1 for a row the screen leaves open (the caller computes it in full). None where there is no
         screen: another kernel, a bias, inputs that are not bf16 rows on the CPU, autograd, a module that fails
-        ``screen_works``, or ``EAGLE_DROPMATCH_SCREEN=0`` (read at each call, so a benchmark can switch it).
+        ``screen_works``, more rows than the build's ``screen_max_rows`` (the AVX2 build's 4: a product in full
+        is faster there), or ``EAGLE_DROPMATCH_SCREEN=0`` (read at each call, so a benchmark can switch it).
 
         Args:
             x: [P, in] rows.
@@ -499,7 +503,8 @@ class PrepackedLinear(nn.Module):
             return None
         if self.packed_from != (weight._version, weight.data_ptr()):
             self.pack()
-        return self.packed
+        most = getattr(self.packed, "screen_max_rows", None)  # the AVX2 build's: more rows are faster in full
+        return None if most is not None and x.shape[0] > most else self.packed
 
     def __getstate__(self):
         return {**self.__dict__, "packed": None, "packed_from": None}  # an opaque packed tensor cannot be copied

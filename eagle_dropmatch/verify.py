@@ -353,7 +353,8 @@ def greedy_tokens(lm_head: TargetLMHead | nn.Module, hidden: torch.Tensor, rival
     Returns:
         (int64 [S] tokens, int64 [S, 1 + rivals] each row's token then its rivals, or None when ``rivals`` is 0),
         or None where no screen applies (another kernel, a bias, a logit transform, rows not bf16 on the CPU,
-        ``EAGLE_DROPMATCH_SCREEN=0``): then the caller computes the logits.
+        more rows than the kernel's ``screen_max_rows``, ``EAGLE_DROPMATCH_SCREEN=0``): then the caller computes
+        the logits.
     """
     screen = getattr(getattr(lm_head, "linear", None), "screened_argmax_rivals", None)
     if screen is None or getattr(lm_head, "rounding_steps", 0) != 1:
