@@ -29,9 +29,6 @@ bf16 = pytest.mark.skipif(not (cpu_linear.bf16_build() and can_build_extensions(
                                  "code, a C++ compiler and ninja")
 avx2 = pytest.mark.skipif(not (cpu_linear.avx2_cpu() and can_build_extensions()),
                           reason="the bf16 kernel's AVX2 build needs AVX2, FMA, a C++ compiler and ninja")
-screen = pytest.mark.skipif(not (cpu_linear.bf16_build() and can_build_extensions()),
-                            reason="the bf16 kernel's int8 screen needs AVX512-BF16 and AVX512-VNNI or AVX2 as the "
-                                   "CPU's best vector code, a C++ compiler and ninja")
 SCREEN_BUILDS = ["avx512", "avx2"]
 
 
@@ -657,7 +654,7 @@ def screen_case(outputs=1000, inputs=97, seed=0, build="native"):
     return packed, (lambda rows, max_blocks: packed.screened_argmax(rows, norm, max_blocks)), x.to(torch.bfloat16)
 
 
-@screen
+@bf16  # both builds of the bf16 kernel have the int8 screen
 def test_the_screen_passes_its_check():
     assert cpu_linear.screen_works()
 
@@ -720,7 +717,7 @@ def test_the_screen_gives_rivals_from_its_highest_blocks_without_changing_its_in
     assert bool(torch.isfinite(logits[rows]).all())
 
 
-@screen
+@bf16  # both builds of the bf16 kernel have the int8 screen
 def test_greedy_tokens_are_the_full_products_and_rows_the_screen_leaves_open_are_computed(monkeypatch):
     """``verify.greedy_tokens`` on a packed bf16 LM head: the tokens of ``first_argmax`` of the logits, the rivals
     after each row's token; a row the screen leaves open is computed in full (its rivals still the screen's);
@@ -747,7 +744,7 @@ def test_greedy_tokens_are_the_full_products_and_rows_the_screen_leaves_open_are
         assert greedy_tokens(head, x) is None
 
 
-@screen
+@bf16  # both builds of the bf16 kernel have the int8 screen
 def test_a_screen_that_picks_otherwise_is_not_used(monkeypatch, fresh_extension_probes, capsys):
     real = cpu_linear.bf16_extension()
 
@@ -781,7 +778,7 @@ def test_the_screen_leaves_rows_that_are_not_finite_open(build):
     assert out[2] == -1 and out[3] == -1 and bool((out[4:] >= 0).all())
 
 
-@screen
+@bf16  # both builds of the bf16 kernel have the int8 screen
 def test_a_prepacked_head_screens_only_where_it_can_and_follows_a_changed_weight():
     from eagle_dropmatch.acceptance import first_argmax
     linear = bf16_linear(96, 800, bias=False, fp16_values=False)
@@ -799,7 +796,7 @@ def test_a_prepacked_head_screens_only_where_it_can_and_follows_a_changed_weight
         assert PrepackedLinear(linear, "onednn").screened_argmax(x, norm) is None
 
 
-@screen
+@bf16  # both builds of the bf16 kernel have the int8 screen
 def test_decoding_takes_its_greedy_tokens_through_the_screen_with_the_same_tokens(monkeypatch):
     """A bf16 target whose LM head is packed for the bf16 kernel: plain decoding, lossless EAGLE-3 and contested
     DropMatch take their undropped tokens (and DropMatch its rivals and sample rows) from the screen, which is
