@@ -31,16 +31,22 @@ class HeadConfig:
     Attributes:
         hidden_size: H, the head's width.
         intermediate_size: width of the SiLU-gated MLP.
-        num_attention_heads: query heads; head_dim = H / heads.
+        num_attention_heads: query heads.
         num_key_value_heads: key/value heads (grouped-query attention).
         vocab_size: V, the target's vocabulary.
         draft_vocab_size: Vd, the head's reduced vocabulary (== V when no reduction).
         rms_norm_eps: RMSNorm epsilon.
-        rope_theta: RoPE base (10000 when the official config has none).
+        rope_theta: RoPE base (10000 when the official config has none; a transformers 5 config gives it in
+            ``rope_parameters``).
         max_position_embeddings: recorded for other engines; not enforced here.
         target_hidden_size: H_t when the target is wider/narrower than the head, else None (= H).
-        aux_layer_ids: which ``hidden_states`` of the target feed the head (low, mid, high), or None
-            for the EAGLE-3 default (2, L//2, L-3).
+        head_dim: the width of one attention head: the config's ``head_dim`` where it gives one (Qwen3 heads:
+            128 at H = 1024 with 16 heads), else H / heads.
+        norm_before_residual: the residual around the head's attention is hidden_norm(h) rather than h (the
+            config field of vLLM's speculators heads; False in the official EAGLE-3 format).
+        aux_layer_ids: which ``hidden_states`` of the target feed the head (low, mid, high): index i is the
+            input of decoder layer i, as in transformers' ``hidden_states`` and the official EAGLE-3 code; None
+            for the EAGLE-3 default (2, L//2, L-3). See ``from_dict`` for configs that count otherwise.
     """
 
     hidden_size: int
@@ -53,12 +59,23 @@ class HeadConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     target_hidden_size: int | None = None
+    head_dim: int | None = None
+    norm_before_residual: bool = False
     aux_layer_ids: list[int] | None = None
     extra: dict = field(default_factory=dict)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def rope_scaling(self) -> dict | None:
+        """The config's RoPE scaling (``rope_scaling``, or a transformers 5 ``rope_parameters``) when its type is
+        not the default one, else None."""
+        for key in ("rope_scaling", "rope_parameters"):
+            spec = self.extra.get(key)
+            if isinstance(spec, dict) and (spec.get("rope_type") or spec.get("type") or "default") != "default":
+                return spec
+        return None
 
     @property
     def feature_size(self) -> int:
@@ -74,10 +91,30 @@ class HeadConfig:
         values = {k: raw[k] for k in known if raw.get(k) is not None}
         values.setdefault("num_key_value_heads", raw["num_attention_heads"])
         values.setdefault("draft_vocab_size", raw["vocab_size"])
-        aux = raw.get("eagle_aux_hidden_state_layer_ids") or raw.get("eagle_config", {}).get(
+        for key in ("rope_parameters", "rope_scaling", "eagle_config"):
+            if raw.get(key) is not None and not isinstance(raw[key], dict):
+                raise HeadError(f"head config: {key} is {raw[key]!r}, expected an object")
+        if "rope_theta" not in values and (raw.get("rope_parameters") or {}).get("rope_theta") is not None:
+            values["rope_theta"] = raw["rope_parameters"]["rope_theta"]
+        if raw.get("norm_before_fc"):
+            raise HeadError("head config: norm_before_fc is set (a norm over the fused target features before "
+                            "fc), which this engine's head does not implement")
+        aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids")
+        if aux and isinstance(aux, (list, tuple)) and aux[0] == 1:
+            # Heads made with SpecForge for SGLang count outputs of decoder layers ([1, L//2 - 1, L - 4] for the
+            # default features); the official code, vLLM and this engine count inputs. SGLang tells the two
+            # apart by the first id, 1 only when outputs are counted (sgl-project/sglang#25454); so does this.
+            aux = [i + 1 if isinstance(i, int) else i for i in aux]
         extra = {k: v for k, v in raw.items() if k not in known}
-        return cls(**values, aux_layer_ids=list(aux) if aux else None, extra=extra)
+        cfg = cls(**values, aux_layer_ids=list(aux) if aux else None, extra=extra)
+        spec = cfg.rope_scaling()
+        if spec is not None:
+            kind = spec.get("rope_type") or spec.get("type")
+            if kind not in SCALED_ROPE_TYPES:
+                raise HeadError(f"head config: RoPE scaling {kind!r} is not supported by the draft head "
+                                f"(supported: {', '.join(SCALED_ROPE_TYPES)})")
+        return cfg
 
     def to_dict(self) -> dict:
         raw = dict(self.extra)
@@ -86,10 +123,33 @@ class HeadConfig:
             raw.pop("target_hidden_size", None)
         if self.aux_layer_ids is not None:
             raw["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+            if isinstance(raw.get("eagle_config"), dict) and "eagle_aux_hidden_state_layer_ids" in raw["eagle_config"]:
+                raw["eagle_config"] = raw["eagle_config"] | {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
         raw.setdefault("architectures", ["LlamaForCausalLMEagle3"])
         raw.setdefault("model_type", "llama")
         raw["num_hidden_layers"] = 1
         return raw
+
+
+SCALED_ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")  # position-independent, computed by transformers
+
+
+def rope_frequencies(cfg: HeadConfig) -> tuple[torch.Tensor, float]:
+    """The head's RoPE inverse frequencies, [head_dim / 2] fp32, and the factor cos and sin are scaled by
+    (1 but for yarn and longrope). The default RoPE is computed here; a scaled one by transformers' own
+    functions from the config's parameters, as the target's RoPE is."""
+    hd = cfg.head_dim
+    spec = cfg.rope_scaling()
+    if spec is None:
+        return 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    kind = spec.get("rope_type") or spec.get("type")
+    params = {k: v for k, v in spec.items() if k != "type"} | {"rope_type": kind, "rope_theta": cfg.rope_theta}
+    config = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=hd,
+                         max_position_embeddings=cfg.max_position_embeddings, rope_parameters=params)
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -197,7 +257,7 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * hd, bias=False)
         self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, h, bias=False)
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        inv_freq, self.rope_scale = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rope_tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,6 +265,8 @@ class DraftAttention(nn.Module):
         once per step for queries and keys). position_ids: [B, S]."""
         freqs = position_ids[:, None, :, None].float() * self.inv_freq  # [B, 1, S, hd/2]
         cos, sin = freqs.cos(), freqs.sin()
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, cache: DraftCache,
@@ -250,7 +312,8 @@ class Eagle3Head(nn.Module):
     """EAGLE-3 draft head.
 
     One step: e = embed(tokens); h = fc(features) when the input is 3*H_t wide, else the head's own
-    previous output; x = cat(input_layernorm(e), hidden_norm(h)); h = h + attn(x);
+    previous output; x = cat(input_layernorm(e), hidden_norm(h)); h = h + attn(x) (hidden_norm(h) +
+    attn(x) where the config sets ``norm_before_residual``);
     h = h + mlp(post_attention_layernorm(h)). ``forward`` returns the pre-norm h; ``logits`` applies
     ``norm`` and the reduced-vocabulary ``lm_head``.
 
@@ -297,8 +360,9 @@ class Eagle3Head(nn.Module):
             hidden = self.fc(hidden)
         layer = self.midlayer
         emb = self.embed_tokens(input_ids).to(hidden.dtype)
-        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
-        h = hidden + layer.self_attn(x, position_ids, cache, mask)
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)
+        h = (normed if self.cfg.norm_before_residual else hidden) + layer.self_attn(x, position_ids, cache, mask)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -439,7 +503,9 @@ def head_config_for_target(target_config, draft_vocab_size: int | None = None,
         vocab_size=tc.vocab_size,
         draft_vocab_size=draft_vocab_size or tc.vocab_size,
         rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
-        rope_theta=float(getattr(tc, "rope_theta", None) or 10000.0),
+        rope_theta=float(getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
+            "rope_theta") or 10000.0),
+        head_dim=getattr(tc, "head_dim", None),
         max_position_embeddings=getattr(tc, "max_position_embeddings", 2048),
     )
 

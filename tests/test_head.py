@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_dropmatch.head import (DraftAttention, DraftCache, HeadConfig, HeadError, RMSNorm, apply_rope,
-                                  check_aux_layer_ids, default_aux_layer_ids, grouped_attention, load_head,
-                                  save_head)
+from eagle_dropmatch.head import (DraftAttention, DraftCache, Eagle3Head, HeadConfig, HeadError, RMSNorm,
+                                  apply_rope, check_aux_layer_ids, default_aux_layer_ids, grouped_attention,
+                                  load_head, save_head)
 from eagle_dropmatch.loading import LoadError, attach_head
 from eagle_dropmatch.tree import DraftTree, draft_tree, select_tree
 
@@ -276,3 +276,114 @@ def test_a_packed_head_step_matches_the_enable_gqa_one(target):
             context = head(features, tokens, torch.arange(5)[None], cache)
             levels[grad] = head(context[:, -1:].expand(1, 3, -1), tokens[:, :3], torch.full((1, 3), 5), cache, mask)
     torch.testing.assert_close(levels[False], levels[True].detach(), rtol=0, atol=1e-5)
+
+
+def _saved_config(tmp_path, target, **changes):
+    """A saved tiny head whose config.json has ``changes`` applied (None removes a key); returns the folder."""
+    head = tiny_head(target, draft_vocab=40, std=0.2)
+    save_head(head, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key, value in changes.items():
+        cfg.pop(key, None) if value is None else cfg.__setitem__(key, value)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_a_config_head_dim_other_than_width_over_heads_is_honoured(tmp_path):
+    """Qwen3-style heads give head_dim (e.g. 128 at H = 1024 with 16 heads); their projections are that wide."""
+    torch.manual_seed(0)
+    cfg = HeadConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=96, draft_vocab_size=96, head_dim=32)
+    head = Eagle3Head(cfg, torch.nn.Embedding(96, 64))
+    assert head.midlayer.self_attn.q_proj.weight.shape == (4 * 32, 128)
+    assert head.midlayer.self_attn.k_proj.weight.shape == (2 * 32, 128)
+    save_head(head, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["head_dim"] == 32
+    loaded = load_head(tmp_path, head.embed_tokens)
+    assert loaded.cfg.head_dim == 32
+    feats, ids, pos = torch.randn(1, 5, 192), torch.randint(0, 96, (1, 5)), torch.arange(5)[None]
+    with torch.no_grad():
+        assert torch.equal(head(feats, ids, pos, DraftCache()), loaded(feats, ids, pos, DraftCache()))
+    assert HeadConfig.from_dict({"hidden_size": 64, "intermediate_size": 8, "num_attention_heads": 4,
+                                 "vocab_size": 9}).head_dim == 16  # none given: H / heads
+
+
+def test_rope_theta_is_read_from_rope_parameters(target, tmp_path):
+    folder = _saved_config(tmp_path, target, rope_theta=None,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    head = load_head(folder, target.get_input_embeddings())
+    assert head.cfg.rope_theta == 500000.0
+    hd = head.cfg.head_dim
+    assert torch.equal(head.midlayer.self_attn.inv_freq,
+                       1.0 / (500000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)))
+
+
+def test_a_scaled_rope_is_the_targets_own():
+    """llama3 scaling (Llama-3.1 heads) gives the frequencies transformers' Llama gives for the same parameters."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    raw = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 96,
+           "rope_theta": 500000.0, "max_position_embeddings": 1024, "rope_scaling": scaling}
+    attention = DraftAttention(HeadConfig.from_dict(raw))
+    reference = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=1024,
+                                                 rope_parameters=scaling | {"rope_theta": 500000.0}))
+    default = DraftAttention(HeadConfig.from_dict({k: v for k, v in raw.items() if k != "rope_scaling"}))
+    assert torch.equal(attention.inv_freq, reference.inv_freq.float())
+    assert not torch.equal(attention.inv_freq, default.inv_freq)  # the scaling changed something
+    yarn = DraftAttention(HeadConfig.from_dict(raw | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                        "original_max_position_embeddings": 256}}))
+    cos, _ = yarn.rope_tables(torch.zeros(1, 1, dtype=torch.long), torch.float32)
+    assert yarn.rope_scale > 1.0 and torch.allclose(cos, torch.full_like(cos, yarn.rope_scale))
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"rope_scaling": "linear"}, "rope_scaling is 'linear', expected an object"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
+    ({"norm_before_fc": True}, "norm_before_fc is set"),
+])
+def test_config_fields_the_head_cannot_honour_are_refused(target, tmp_path, changes, message):
+    folder = _saved_config(tmp_path, target, **changes)
+    with pytest.raises(LoadError, match=message):
+        attach_head(target, folder, torch.float32)
+
+
+def test_a_null_eagle_config_is_no_config(target, tmp_path):
+    folder = _saved_config(tmp_path, target)
+    cfg = json.loads((folder / "config.json").read_text()) | {"eagle_config": None}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert load_head(folder, target.get_input_embeddings()).cfg.aux_layer_ids is None
+
+
+def test_feature_ids_counted_as_layer_outputs_are_read_as_inputs(target, tmp_path):
+    """SpecForge/SGLang heads write [1, L//2 - 1, L - 4] (outputs of layers) for the default features
+    [2, L//2, L - 3] (inputs of layers); a first id of 1 marks them, as SGLang reads them. Saving writes the
+    inputs' count, which every reader takes as it is."""
+    folder = _saved_config(tmp_path, target, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 3, 4],
+                                                           "use_aux_hidden_state": True})
+    _, aux = attach_head(target, folder, torch.float32)
+    assert aux == [2, 4, 5] == default_aux_layer_ids(8)
+    head = load_head(folder, target.get_input_embeddings())
+    save_head(head, tmp_path / "again")
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert saved["eagle_aux_hidden_state_layer_ids"] == saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] \
+        == [2, 4, 5]
+    assert attach_head(target, tmp_path / "again", torch.float32)[1] == [2, 4, 5]
+    folder = _saved_config(tmp_path / "inputs", target, eagle_aux_hidden_state_layer_ids=[2, 3, 6])
+    assert attach_head(target, folder, torch.float32)[1] == [2, 3, 6]  # counted as inputs: as given
+
+
+def test_norm_before_residual_adds_the_normed_hidden_state(target):
+    head = tiny_head(target, std=0.2)
+    feats, ids, pos = torch.randn(1, 4, 192), torch.randint(0, 96, (1, 4)), torch.arange(4)[None]
+    with torch.no_grad():
+        plain = head(feats, ids, pos, DraftCache())
+        head.cfg.norm_before_residual = True
+        normed = head(feats, ids, pos, DraftCache())
+        layer = head.midlayer
+        hidden = head.fc(feats)
+        x = torch.cat([layer.input_layernorm(head.embed_tokens(ids)), layer.hidden_norm(hidden)], dim=-1)
+        h = layer.hidden_norm(hidden) + layer.self_attn(x, pos, DraftCache(), None)
+        expected = h + layer.mlp(layer.post_attention_layernorm(h))
+    assert torch.equal(normed, expected) and not torch.equal(normed, plain)
