@@ -13,7 +13,7 @@ A bf16 ``nn.Linear`` on a CPU hands its weight in the plain [out, in] layout to 
   missing. With AMX its products take tiles of 16 rows: on a 2-core Xeon SmolLM2's target forward over 1, 6
   and 12 tokens took 22.7, 25.0 and 25.3 ms against fbgemm's 20.8, 29.0 and 32.5, so trees cost little there
   (default 10/3/3, ``loading.default_tree``) and only plain decoding would run faster on fp16 (1.08x; stop 42,
-  README, "On an Intel Xeon with AMX").
+  docs/BENCHMARKS.md, "On an Intel Xeon with AMX").
 - ``"fp16"``: the weight packed as fp16 for fbgemm (``torch.ops.aten.fbgemm_pack_gemm_matrix_fp16``) and
   applied with ``fbgemm_linear_fp16_weight``, which reads the fp16 weight (as many bytes as bf16) and
   multiplies and adds in fp32. A target's layer takes it only where every bf16 value of its weight is exactly
@@ -24,11 +24,11 @@ A bf16 ``nn.Linear`` on a CPU hands its weight in the plain [out, in] layout to 
   where torch computes a bf16 product of more than one row element by element and oneDNN refuses to pack
   bf16. On a 2-core AVX2 Zen 3 a tree of 8 rows through SmolLM2's LM head takes about 10 ms instead of 27;
   the kernel's AVX2 code reads the weight once per 6 rows (6 rows 5.0 ms, 7 rows 9.5), hence the smaller
-  default tree there (``loading.default_tree``; README, "On a CPU without native bf16").
+  default tree there (``loading.default_tree``; docs/MACHINES.md, "On a CPU without native bf16").
   ``auto`` also picks it on a CPU with AVX512-BF16 but no AMX (AMD Zen 4) where ``fp16_extension`` runs:
   there oneDNN streams the weights of a one-row product at about half fbgemm's rate. On a 2-core Zen 4,
   SmolLM2's target forward over 1 token took 17.8 ms instead of 28.1 (plain decoding 43-45 tok/s instead of
-  31), and over 6 tokens 26.6 ms instead of 28.0 (stop 41; README, "Which kernel").
+  31), and over 6 tokens 26.6 ms instead of 28.0 (stop 41; docs/BENCHMARKS.md, "Which kernel").
 
 torch's binding of fbgemm's product runs it as thread 0 of 1: the layer ran on one core while the others
 waited. ``fp16_extension`` builds (once per machine, with torch's C++ extension loader: about a minute) a small
@@ -51,7 +51,7 @@ on stderr saying why.
   streamed from memory, as a forward reads them, as fast for 1 row (52.0 against 52.9 us; the 576 x 49152 LM
   head slower, 1.25 against 1.08 ms) and faster for more (57.2 against 61.7 us for 4, 68.8 against 98.6 for
   8). In decoding the target's forward in a round of the 4/3/3 tree took 19.4 ms against fbgemm's 22.0
-  (``scripts/bench_round.py``; stop 47; README, "A bf16 kernel of our own").
+  (``scripts/bench_round.py``; stop 47; docs/BENCHMARKS.md, "A bf16 kernel of our own").
   On a CPU whose best vector code is AVX2 (no bf16 arithmetic) "bf16" runs the same product from an AVX2
   build (``bf16_avx2_extension``, ``csrc/bf16_linear_avx2.cpp``): lines of 16 columns of one input, each
   bf16 weight widened to fp32 by a shift or a mask, FMA in input order per output lane, up to 6 rows per line loaded;

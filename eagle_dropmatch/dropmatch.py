@@ -26,7 +26,7 @@ decisions are those of "all", from fewer rows but in up to depth products, each 
 an LM-head row costs more than such a pass (a CPU that emulates bf16 arithmetic, or fbgemm's fp16 kernel,
 which reads W once per 6 rows), a loss where a pass costs more than the rows it saves (a CPU with native
 bf16, where reading W dominates; fp32 on an AVX2-only CPU, where a product of a few rows is slow; expected on
-a GPU, not measured). README, "On a CPU without native bf16", measures both.
+a GPU, not measured). docs/MACHINES.md, "On a CPU without native bf16", measures both.
 
 With ``rows`` "contested" (the match rule at T = 0 only) most samples are never scored. A sample accepts a
 child other than its node's undropped token u only if that child is the sample's argmax, so its logit must
@@ -254,7 +254,7 @@ def reachable_sample_tokens(hidden: torch.Tensor, masks: torch.Tensor, tree, tar
     same; the agreement counts, taken over the path's deciding nodes, are the same too. Up to depth
     products instead of one, over fewer rows:
     faster where a row costs as much alone as stacked (bf16 on a CPU that emulates it), slower where a pass
-    over the LM head costs more than the rows it saves (README, "On a CPU without native bf16").
+    over the LM head costs more than the rows it saves (docs/MACHINES.md, "On a CPU without native bf16").
 
     Args:
         hidden: [N, H] undropped LM-head inputs of the tree nodes.

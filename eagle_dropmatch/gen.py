@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--total-token", type=int, help="tree nodes including the root (N of the tree N/D/K; where the linear "
       "layers run packed on the CPU, the default for bf16 there, tuned for 2-core CPUs per kernel: 10/3/3 on "
       "oneDNN with AMX, 4/3/3 on the bf16 kernel and on fp16 with AVX512 code, else 6/3/3; 8/3/2 elsewhere)")
-    a("--depth", type=int, help="draft levels (D; default 3)")
+    a("--depth", type=int, help="draft levels in all (D; default 3; the official EAGLE code's depth D is D+1 here)")
     a("--top-k", type=int, help="children per expanded node (K of the tree; default 3 on packed layers, 2 elsewhere)")
     a("--temperature", type=float, default=0.0)
     a("--top-p", type=float, default=1.0)

@@ -123,8 +123,9 @@ class HeadConfig:
             raw.pop("target_hidden_size", None)
         if self.aux_layer_ids is not None:
             raw["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
-            if isinstance(raw.get("eagle_config"), dict) and "eagle_aux_hidden_state_layer_ids" in raw["eagle_config"]:
-                raw["eagle_config"] = raw["eagle_config"] | {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+            nested = raw.get("eagle_config")
+            if isinstance(nested, dict) and "eagle_aux_hidden_state_layer_ids" in nested:
+                raw["eagle_config"] = nested | {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
         raw.setdefault("architectures", ["LlamaForCausalLMEagle3"])
         raw.setdefault("model_type", "llama")
         raw["num_hidden_layers"] = 1
@@ -493,11 +494,16 @@ def save_head(head: Eagle3Head, path: str | Path, dtype: torch.dtype | None = No
 
 def head_config_for_target(target_config, draft_vocab_size: int | None = None,
                            intermediate_size: int | None = None) -> HeadConfig:
-    """A head config matching a transformers target config (used by training and tests)."""
+    """A head config matching a transformers target config (used by training and tests).
+
+    The MLP width is ``intermediate_size`` when given, else the target's: ``intermediate_size`` (Llama and most),
+    ``n_inner`` (GPT-2), ``ffn_hidden_size`` (Falcon) or ``ffn_dim`` (OPT), and 4 x hidden where those are unset.
+    """
     tc = target_config
     return HeadConfig(
         hidden_size=tc.hidden_size,
-        intermediate_size=intermediate_size or tc.intermediate_size,
+        intermediate_size=intermediate_size or getattr(tc, "intermediate_size", None) or getattr(tc, "n_inner", None)
+        or getattr(tc, "ffn_hidden_size", None) or getattr(tc, "ffn_dim", None) or 4 * tc.hidden_size,
         num_attention_heads=tc.num_attention_heads,
         num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
         vocab_size=tc.vocab_size,

@@ -288,9 +288,9 @@ def default_tree(kernel: str | None, capability: str | None = None, amx: bool | 
     AVX512-BF16 kernel too: it makes each row cheaper, yet on MT-Bench first turns 0-24 (a Zen 4, stop 47)
     5/3/3, 6/3/3 and 8/3/3 ran 0.981x, 0.977x and 0.986x 4/3/3's tokens/s for tau 1.964, 1.987 and 2.110
     against 1.882; on its AVX2 build (a Zen 3, stop 53, the same questions) 5/3/3 and 4/4/2 ran 0.996x and
-    1.006x 4/3/3's tokens/s, and 6/3/3 0.964x in another run. README, "Tree shape", "Which kernel", "On an
-    Intel Xeon with AMX" and "On a CPU without native bf16"; docs/MACHINES.md, "On an AMD EPYC Zen 3, AVX2
-    only (stop 53)".
+    1.006x 4/3/3's tokens/s, and 6/3/3 0.964x in another run. docs/BENCHMARKS.md, "Tree shape", "Which
+    kernel" and "On an Intel Xeon with AMX"; docs/MACHINES.md, "On a CPU without native bf16" and "On an AMD
+    EPYC Zen 3, AVX2 only (stop 53)".
     """
     if kernel is None:
         return TreeShape(8, 3, 2)
@@ -314,8 +314,8 @@ def default_dropmatch_rows(kernel: str | None, dropmatch_k: int, rule: str, temp
     DropMatch is on over the whole vocabulary and the rule allows it (match, temperature 0). On fbgemm's fp16
     kernel, which reads the LM head's weight once per 6 rows, every sample row costs: contested scores about
     0.6 per round where level by level ("reachable") scores 8 and stacking ("all") 16.6, 4.4-4.5% of a round
-    against 12-13% and 19-20% (README, "On a CPU without native bf16"). On oneDNN's bf16 kernel (AVX512-BF16),
-    since the contest runs compiled (``dropmatch.contest_extension``, stops 33-34): 2.59-3.54% against
+    against 12-13% and 19-20% (docs/MACHINES.md, "On a CPU without native bf16"). On oneDNN's bf16 kernel
+    (AVX512-BF16), since the contest runs compiled (``dropmatch.contest_extension``, stops 33-34): 2.59-3.54% against
     6.37-7.19% at p = 0.3 and 0.92-1.55% against 2.30-2.54% with ``--dropout-p auto`` (Zen 4, five runs; the
     Python contest: 4.98-5.92% and 3.10-3.70%). "all" (every node's samples stacked into the tree's matmul,
     the weight read once) elsewhere: on stock layers, and on a GPU, where the stacked rows cost almost
