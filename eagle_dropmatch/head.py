@@ -83,10 +83,22 @@ class HeadConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "HeadConfig":
+        if not isinstance(raw, dict):
+            raise HeadError("head config is not a JSON object")
         required = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
         missing = [k for k in required if k not in raw]
         if missing:
             raise HeadError(f"head config lacks {', '.join(missing)}")
+        for key in (*required, "num_key_value_heads", "draft_vocab_size", "max_position_embeddings",
+                    "target_hidden_size", "head_dim"):
+            value = raw.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise HeadError(f"head config: {key} is {value!r}, expected a positive integer")
+        for key in ("rms_norm_eps", "rope_theta"):
+            value = raw.get(key)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not 0 < value < float("inf")):
+                raise HeadError(f"head config: {key} is {value!r}, expected a positive number")
         known = {f for f in cls.__dataclass_fields__ if f not in ("extra", "aux_layer_ids")}
         values = {k: raw[k] for k in known if raw.get(k) is not None}
         values.setdefault("num_key_value_heads", raw["num_attention_heads"])
@@ -101,11 +113,15 @@ class HeadConfig:
                             "fc), which this engine's head does not implement")
         aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids")
-        if aux and isinstance(aux, (list, tuple)) and aux[0] == 1:
+        if aux is not None and (not isinstance(aux, (list, tuple))
+                                or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux)):
+            raise HeadError(f"head config: eagle_aux_hidden_state_layer_ids is {aux!r}, expected a list of "
+                            "layer numbers")
+        if aux and aux[0] == 1:
             # Heads made with SpecForge for SGLang count outputs of decoder layers ([1, L//2 - 1, L - 4] for the
             # default features); the official code, vLLM and this engine count inputs. SGLang tells the two
             # apart by the first id, 1 only when outputs are counted (sgl-project/sglang#25454); so does this.
-            aux = [i + 1 if isinstance(i, int) else i for i in aux]
+            aux = [i + 1 for i in aux]
         extra = {k: v for k, v in raw.items() if k not in known}
         cfg = cls(**values, aux_layer_ids=list(aux) if aux else None, extra=extra)
         spec = cfg.rope_scaling()
@@ -391,13 +407,17 @@ class Eagle3Head(nn.Module):
 
 def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     st = folder / "model.safetensors"
-    if st.exists():
-        from safetensors.torch import load_file
-        return load_file(str(st))
     bin_ = folder / "pytorch_model.bin"
-    if bin_.exists():
+    if not st.exists() and not bin_.exists():
+        raise HeadError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
+    try:
+        if st.exists():
+            from safetensors.torch import load_file
+            return load_file(str(st))
         return torch.load(str(bin_), map_location="cpu", weights_only=True)
-    raise HeadError(f"{folder} has neither model.safetensors nor pytorch_model.bin")
+    except Exception as exc:  # safetensors' and torch's errors for a truncated or foreign file have no common type
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise HeadError(f"cannot read the head's weights in {folder}: {first}") from None
 
 
 def _normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -387,3 +387,28 @@ def test_norm_before_residual_adds_the_normed_hidden_state(target):
         h = layer.hidden_norm(hidden) + layer.self_attn(x, pos, DraftCache(), None)
         expected = h + layer.mlp(layer.post_attention_layernorm(h))
     assert torch.equal(normed, expected) and not torch.equal(normed, plain)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"hidden_size": "64"}, "hidden_size is '64', expected a positive integer"),
+    ({"draft_vocab_size": 0}, "draft_vocab_size is 0, expected a positive integer"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps is -1.0, expected a positive number"),
+    ({"eagle_aux_hidden_state_layer_ids": "abc"}, "eagle_aux_hidden_state_layer_ids is 'abc', expected a list"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, "4", 5]}, "expected a list of layer numbers"),
+])
+def test_a_malformed_config_value_is_one_line_naming_it(target, tmp_path, changes, message):
+    folder = _saved_config(tmp_path, target, **changes)
+    with pytest.raises(LoadError, match=message):
+        attach_head(target, folder, torch.float32)
+
+
+def test_a_config_that_is_not_an_object_or_weights_that_are_cut_short_are_one_line(target, tmp_path):
+    folder = _saved_config(tmp_path, target)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(LoadError, match="head config is not a JSON object"):
+        attach_head(target, folder, torch.float32)
+    folder = _saved_config(tmp_path / "cut", target)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    with pytest.raises(LoadError, match="cannot read the head's weights in .*cut"):
+        attach_head(target, folder, torch.float32)
