@@ -209,6 +209,20 @@ def check_meta(meta: dict, meta_path: Path) -> None:
         raise bad("dropout_p", "a finite number or 'auto[:RATE]'")
 
 
+def check_same_bench(af: AnswerFile, other: AnswerFile, role: str) -> None:
+    """Refuse to compare answers with a ``role`` file (baseline, reference) whose meta records another bench: the
+    benches share question ids (alpaca, gsm8k and humaneval all number theirs from 0), so the same id is another
+    question. A meta without a bench is not refused.
+
+    Raises:
+        EvalError: Naming both files and benches.
+    """
+    if af.bench and other.bench and af.bench != other.bench:
+        raise EvalError(f"{other.path}: the {role} answers bench {other.bench!r} (meta), but {af.path} answers bench "
+                        f"{af.bench!r}; their question ids name other questions: give the {role} of bench "
+                        f"{af.bench}")
+
+
 def load_meta(path: Path) -> dict | None:
     """Read ``<answer file>.meta.json``; None (with a warning) when it is absent.
 
@@ -247,7 +261,7 @@ def _parse_turns(choice: dict, where: str) -> list[Turn]:
             warn(f"{where}: new_tokens[{i}]={nt} but len(token_ids[{i}])={len(ids)}; counting the ids")
         turns.append(Turn(
             text=text, token_ids=ids, recorded_new_tokens=nt,
-            wall_time=_num(cols["wall_time"][i], "wall_time", where),
+            wall_time=_num(cols["wall_time"][i], "wall_time", where, low=0.0),
             idxs=_int(cols["idxs"][i], "idxs", where),
             accept_lengths=_int_list(cols["accept_lengths"][i], "accept_lengths", where),
             exact_accept_lengths=_int_list(cols["exact_accept_lengths"][i], "exact_accept_lengths", where),
@@ -257,11 +271,14 @@ def _parse_turns(choice: dict, where: str) -> list[Turn]:
     return turns
 
 
-def _num(v: Any, name: str, where: str) -> float | None:
+def _num(v: Any, name: str, where: str, low: float | None = None) -> float | None:
+    """A finite number (``>= low`` when given), or None; anything else is an error naming the file and line."""
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise EvalError(f"{where}: {name} entries must be numbers")
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not number or (low is not None and v < low):
+        bound = f" >= {low:g}" if low is not None else ""
+        raise EvalError(f"{where}: {name} entries must be finite numbers{bound}, got {json.dumps(v)}")
     return float(v)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -79,8 +80,6 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         print(f"error: {exc}", file=sys.stderr)
         return exc.status
     except BrokenPipeError:  # stdout closed early (e.g. piped into head): not an error of the command
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except SystemExit as exc:  # argparse: its one line is already printed
@@ -121,8 +120,19 @@ def parse_name_value(items: Sequence[str] | None, option: str) -> list[tuple[str
     return out
 
 
+def file_id(path: str | Path) -> tuple[int, int] | None:
+    """The identity of an existing file, ``(st_dev, st_ino)``: equal for hard links and other names of one file
+    (None when it does not exist or cannot be read)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
 def check_distinct(paths: Iterable[str | Path], what: str) -> None:
-    """Refuse a file named twice where each must be a different file (compared after ``Path.resolve()``).
+    """Refuse a file named twice where each must be a different file (compared after ``Path.resolve()`` and, for
+    existing files, by identity, so a hard link is the file it links to).
 
     Args:
         paths: The file names given.
@@ -131,12 +141,12 @@ def check_distinct(paths: Iterable[str | Path], what: str) -> None:
     Raises:
         EvalError: When two of them are the same file.
     """
-    seen: set[Path] = set()
+    seen: set = set()
     for path in paths:
-        resolved = Path(path).resolve()
-        if resolved in seen:
+        keys = {Path(path).resolve(), file_id(path)} - {None}
+        if keys & seen:
             raise EvalError(f"{path} given twice ({what}); name each file once")
-        seen.add(resolved)
+        seen |= keys
 
 
 def check_writable(path: str | Path) -> None:
@@ -163,14 +173,22 @@ def check_outputs(outputs: Iterable[str | Path | None], inputs: Iterable[str | P
 
     Args:
         outputs: The files the command will write (None entries are ignored).
-        inputs: The files it reads (None entries are ignored); compared after ``Path.resolve()``.
+        inputs: The files it reads (None entries are ignored); compared after ``Path.resolve()`` and, for existing
+            files, by identity (a hard link to an input is that input).
 
     Raises:
-        EvalError: When an output resolves to the same file as an input, or cannot be written.
+        EvalError: When an output is the same file as an input, or cannot be written.
     """
-    read = {Path(p).resolve(): p for p in inputs if p}
+    read: dict = {}
+    for p in (p for p in inputs if p):
+        for key in (Path(p).resolve(), file_id(p)):
+            if key is not None:
+                read.setdefault(key, p)
     for out in (o for o in outputs if o):
         same = read.get(Path(out).resolve())
+        ident = file_id(out)
+        if same is None and ident is not None:
+            same = read.get(ident)
         if same is not None:
             raise EvalError(f"output {out} is also an input of this command ({same}); writing it would overwrite "
                             "it: choose another output file")

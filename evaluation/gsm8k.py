@@ -21,7 +21,7 @@ from typing import Sequence
 
 from .answers import AnswerFile, load_answers
 from .common import EvalError, OneLineParser, check_outputs, emit, run_cli, warn
-from .questions import load_questions, question_source
+from .questions import check_data_dir, load_questions, question_source
 
 _NUM = r"(?:(?<![\w.])-)?\$?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
 _HASH = re.compile(r"####\s*(" + _NUM + ")")
@@ -148,6 +148,7 @@ def build_parser() -> OneLineParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m evaluation.gsm8k``."""
     args = build_parser().parse_args(argv)
+    check_data_dir(args.data_dir)
     af = load_answers(args.answer_file)
     qpath, _ = question_source(args, af, default_bench="gsm8k")
     check_outputs([args.output], af.paths + [qpath])

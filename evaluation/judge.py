@@ -21,12 +21,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from .answers import AnswerFile, load_answers
+from .answers import AnswerFile, check_same_bench, load_answers
 from .common import EvalError, OneLineParser, check_distinct, check_outputs, emit, fmt, run_cli, warn
 from .judge_client import JudgeClient, JudgmentCache, RetryPolicy, cache_paths, default_cache_dir, run_calls
 from .judge_tasks import JudgeCall, pair_call, single_call
-from .questions import (judge_prompts_path, load_judge_prompts, load_questions, load_reference_answers,
-                        question_source, reference_path)
+from .questions import (check_data_dir, judge_prompts_path, load_judge_prompts, load_questions,
+                        load_reference_answers, question_source, reference_path)
 from .stats import bootstrap_ci, mean, win_rate
 from .verdicts import combine_orders, is_consistent, parse_pair_verdict, parse_rating
 
@@ -45,17 +45,21 @@ class JudgeInputs:
 
 
 def load_inputs(args) -> JudgeInputs:
-    """Load everything a judge run reads, after refusing (before any work) an answer file given as its own
-    baseline and an ``--output`` that is one of the inputs or the cache.
+    """Load everything a judge run reads, after refusing (before any work) a ``--data-dir`` that is no directory,
+    an answer file given as its own baseline, a baseline of another bench and an ``--output`` that is one of the
+    inputs or the cache.
 
     Raises:
         EvalError: Bad input, as one line.
     """
     pairwise = args.mode == "pairwise"
+    check_data_dir(args.data_dir)
     if pairwise:
         check_distinct([args.answer_file, args.baseline_file], "--answer-file and --baseline-file")
     af = load_answers(args.answer_file)
     base = load_answers(args.baseline_file) if pairwise else None
+    if base is not None:
+        check_same_bench(af, base, "baseline")
     qpath, bench = question_source(args, af)
     if qpath is None:
         raise EvalError("no questions: give --question-file or --bench (the answer file's meta names neither a "

@@ -20,9 +20,9 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from .answers import AnswerFile, load_answers, meta_path_of
+from .answers import AnswerFile, check_same_bench, load_answers, meta_path_of
 from .common import EvalError, OneLineParser, check_distinct, check_outputs, emit, fmt, run_cli, warn
-from .questions import load_questions, question_source
+from .questions import check_data_dir, load_questions, question_source
 from .speed import same_answer
 from .stats import mean, ratio
 
@@ -189,8 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    check_data_dir(args.data_dir)
     check_distinct([args.answer_file, args.reference_file], "--answer-file and --reference-file")
     af, ref = load_answers(args.answer_file), load_answers(args.reference_file)
+    check_same_bench(af, ref, "reference")
     qpath = None
     if not args.no_loglik:
         qpath, _ = question_source(args, af)

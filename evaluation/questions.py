@@ -62,6 +62,22 @@ def read_jsonl(path: str | Path, what: str) -> list[dict]:
     return [obj for _, obj in read_jsonl_lines(path, what)]
 
 
+def check_data_dir(data_dir: str | None) -> None:
+    """Refuse a ``--data-dir`` that is given but is no directory (the resolution would silently search the other
+    data folders instead).
+
+    Raises:
+        EvalError: Naming the folder.
+    """
+    if not data_dir:
+        return
+    path = Path(data_dir).expanduser()
+    if not path.exists():
+        raise EvalError(f"--data-dir {data_dir}: no such directory")
+    if not path.is_dir():
+        raise EvalError(f"--data-dir {data_dir}: not a directory")
+
+
 def resolve_question_file(question_file: str | None, bench: str | None, data_dir: str | None) -> Path | None:
     """The question file named by ``--question-file``, else by ``--bench`` (None when neither is given)."""
     if question_file:

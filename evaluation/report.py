@@ -10,22 +10,25 @@ Speed figures (tau, tokens/s, speedup) are computed from the answer files agains
 given several times is a set of repeated runs (mean ± std). Quality columns come from the ``--json`` outputs
 of ``evaluation.gsm8k``, ``evaluation.judge`` (single: MT-Bench score; pairwise: win rate) and
 ``evaluation.quality``; a missing figure is ``-``. The baseline row is named by ``--baseline-name``
-(default ``baseline``), so ``--gsm8k baseline=...`` fills its quality cells.
+(default ``baseline``), so ``--gsm8k baseline=...`` fills its quality cells. It shows the baseline the speedups
+are computed against, over the questions the runs share with it; runs of several benches give one baseline row
+per bench (``baseline (BENCH)``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Sequence
 
-from .answers import answer_paths, load_answers
+from .answers import AnswerFile, answer_paths, load_answers
 from .common import (EvalError, OneLineParser, check_distinct, check_outputs, fmt, parse_name_value, print_json,
                      run_cli, warn, write_json)
-from .questions import load_questions, resolve_question_file
-from .speed import aggregate, analyze_run, pick_baseline, summarize
+from .questions import check_data_dir, check_recorded_bench, load_questions, resolve_question_file
+from .speed import aggregate, analyze_run, check_baselines, pick_baseline, shared_keys, summarize
 
 #: The files written into ``--out DIR``: the plots (plotting function name in :mod:`evaluation.plots`, file name),
 #: the Markdown report and the JSON report.
@@ -53,7 +56,7 @@ def _load_result(path: str, option: str) -> dict:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_fields(res: dict, kind: str, path: str, option: str) -> None:
@@ -69,7 +72,7 @@ def check_fields(res: dict, kind: str, path: str, option: str) -> None:
         ok = (isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value)) if pair \
             else _is_number(value)
         if not ok:
-            expected = "a pair of numbers" if pair else "a number"
+            expected = "a pair of finite numbers" if pair else "a finite number"
             raise EvalError(f"{option}: {path}: field '{key}' must be {expected}{' or null' if nullable else ''}, "
                             f"got {json.dumps(value)}")
 
@@ -110,35 +113,73 @@ def quality_figures(gsm8k, judge, quality, names: set[str]) -> dict[str, dict]:
     return out
 
 
-def build_rows(runs: list[tuple[str, str]], baseline_files: Sequence[str], baseline_name: str,
-               questions: dict | None, quality: dict[str, dict]) -> list[dict]:
-    """Table rows: the baseline first (when given), then one row per run NAME (repeats averaged)."""
-    baselines = [load_answers(p) for p in baseline_files]
-    rows = []
-    if baselines:
-        b = baselines[0]
-        keys = [k for k in b.answers if questions is None or k in questions]
-        s = summarize([t for k in keys for t in b.answers[k].turns], True)
-        rows.append({"name": baseline_name, "family": "Standard decoding", "tree": "-", "depth": None,
-                     "n_runs": 1, "files": [str(b.path)], "tau": s["tau"], "tau_std": None,
-                     "tokens_per_s": s["tokens_per_s"], "tokens_per_s_std": None, "speedup": 1.0,
-                     "speedup_std": None, "exact_tau": s["exact_tau"]})
-    grouped: OrderedDict[str, list[str]] = OrderedDict()
+def _loaded(f: str | AnswerFile) -> AnswerFile:
+    return f if isinstance(f, AnswerFile) else load_answers(f)
+
+
+def baseline_row(b: AnswerFile, name: str, used: list[set[tuple[str, int]]]) -> dict:
+    """The row of a baseline: its figures over the (question, turn) pairs the runs matched to it share with it
+    (those their speedups are computed on), in the baseline's file order.
+
+    Args:
+        b: The baseline file.
+        name: The row name.
+        used: For each run matched to ``b``, the (question key, turn index) pairs its speedup is computed on.
+    """
+    union = set().union(*used)
+    turns = [t for k, a in b.answers.items() for i, t in enumerate(a.turns) if (k, i) in union]
+    if any(u != used[0] for u in used):
+        warn(f"{b.path}: the runs matched to this baseline answer different questions; its row covers the "
+             f"{len({k for k, _ in union})} they answer together, each speedup its own run's")
+    s = summarize(turns, True)
+    return {"name": name, "family": "Standard decoding", "tree": "-", "depth": None, "n_runs": 1,
+            "files": [str(b.path)], "baseline": True, "bench": b.bench, "n_questions": len({k for k, _ in union}),
+            "tau": s["tau"], "tau_std": None, "tokens_per_s": s["tokens_per_s"], "tokens_per_s_std": None,
+            "speedup": 1.0, "speedup_std": None, "exact_tau": s["exact_tau"]}
+
+
+def build_rows(runs: list[tuple[str, str | AnswerFile]], baseline_files: Sequence[str | AnswerFile],
+               baseline_name: str, questions: dict | None, quality: dict[str, dict]) -> list[dict]:
+    """Table rows: the baselines first (one row per baseline a run is matched to, over the questions the runs
+    share with it; named ``NAME (bench)`` when there are several), then one row per run NAME (repeats averaged).
+    The quality figures of ``baseline_name`` fill every baseline row.
+
+    Raises:
+        EvalError: Two baselines of one bench, or a run whose bench no baseline answers.
+    """
+    baselines = [_loaded(p) for p in baseline_files]
+    check_baselines(baselines)
+    used: dict[int, list[set[tuple[str, int]]]] = {}
+    grouped: OrderedDict[str, list[str | AnswerFile]] = OrderedDict()
     for name, path in runs:
         grouped.setdefault(name, []).append(path)
+    run_rows = []
     for name, paths in grouped.items():
-        files = [load_answers(p) for p in paths]
+        files = [_loaded(p) for p in paths]
         if len({f.settings_key for f in files}) > 1:
             warn(f"--run {name}: the files differ in more than the seed; averaged anyway")
-        analyses = [analyze_run(f, pick_baseline(f, baselines), questions) for f in files]
+        analyses = []
+        for f in files:
+            b = pick_baseline(f, baselines)
+            analyses.append(analyze_run(f, b, questions))
+            if b is not None:
+                used.setdefault(id(b), []).append({
+                    (k, i) for k in shared_keys(f, b, questions)
+                    for i in range(min(len(f.answers[k].turns), len(b.answers[k].turns)))})
         row = {"name": name, "family": files[0].label, "tree": files[0].tree, "depth": files[0].depth,
                "n_runs": len(files), "files": [str(f.path) for f in files]}
         row.update(aggregate(analyses))
-        rows.append(row)
+        run_rows.append(row)
+    for b in baselines:
+        if id(b) not in used:
+            warn(f"{b.path}: no --run is matched to this baseline (bench {b.bench}); left out of the table")
+    matched = [b for b in baselines if id(b) in used]
+    rows = [baseline_row(b, f"{baseline_name} ({b.bench or b.path.name})" if len(matched) > 1 else baseline_name,
+                         used[id(b)]) for b in matched] + run_rows
     for row in rows:
         row.update({k: None for k in ("gsm8k_accuracy", "mt_bench_score", "win_rate", "win_rate_ci95",
                                       "exact_match_rate_vs_lossless", "sbert_cosine", "loglik_rel_diff")})
-        q = quality.get(row["name"], {})
+        q = quality.get(baseline_name if row.get("baseline") else row["name"], {})
         row.update({k: v for k, v in q.items() if k != "exact_match_rate"})
         if "exact_match_rate" in q:
             row["exact_match_rate_vs_lossless"] = q["exact_match_rate"]
@@ -196,17 +237,21 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def check_runs(runs: list[tuple[str, str]]) -> None:
-    """Refuse a file given twice under one ``--run`` NAME (it would count as two repeats).
+def check_runs(runs: list[tuple[str, str]], baseline_files: Sequence[str] = ()) -> None:
+    """Refuse a file given twice under one ``--run`` NAME (it would count as two repeats), a baseline given
+    twice, and a run's file given as a baseline (its speedup would be 1).
 
     Raises:
-        EvalError: Naming the file and the NAME.
+        EvalError: Naming the file and the options.
     """
     grouped: OrderedDict[str, list[str]] = OrderedDict()
     for name, path in runs:
         grouped.setdefault(name, []).append(path)
     for name, paths in grouped.items():
         check_distinct(paths, f"--run {name}")
+    check_distinct(baseline_files, "--baseline-file")
+    for name, path in runs:
+        check_distinct([*baseline_files, path], f"--run {name} and --baseline-file")
 
 
 def output_files(args, runs: list[tuple[str, str]]) -> dict[str, Path]:
@@ -256,13 +301,19 @@ def write_report(files: dict[str, Path], rows: list[dict], table: str, title: st
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m evaluation.report``."""
     args = build_parser().parse_args(argv)
+    check_data_dir(args.data_dir)
     runs = parse_name_value(args.run, "--run")
-    check_runs(runs)
+    check_runs(runs, args.baseline_file)
     names = {n for n, _ in runs} | {args.baseline_name}
     quality = quality_figures(args.gsm8k, args.judge, args.quality, names)
+    loaded = {path: load_answers(path) for _, path in runs}
+    if args.bench and not args.question_file:
+        for af in loaded.values():
+            check_recorded_bench(args.bench, af)
     files = output_files(args, runs)
     questions = load_questions(args.question_file, args.bench, args.data_dir)
-    rows = build_rows(runs, args.baseline_file, args.baseline_name, questions, quality)
+    rows = build_rows([(name, loaded[path]) for name, path in runs], args.baseline_file, args.baseline_name,
+                      questions, quality)
     table = render_table(rows)
     plots = write_report(files, rows, table, args.title) if files else []
     if args.json:

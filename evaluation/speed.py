@@ -28,9 +28,9 @@ from bisect import bisect_right
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
-from .answers import AnswerFile, Turn, answer_paths, load_answers
+from .answers import AnswerFile, Turn, answer_paths, check_same_bench, load_answers
 from .common import EvalError, OneLineParser, check_distinct, check_outputs, emit, fmt, run_cli, warn
-from .questions import load_questions, resolve_question_file
+from .questions import check_data_dir, check_recorded_bench, load_questions, resolve_question_file
 from .stats import mean, ratio, std
 
 #: Figures averaged over repeated runs of one configuration.
@@ -59,13 +59,15 @@ def exact_committed(turn: Turn, lossless: bool) -> int | None:
         lossless: Use ``accept_lengths`` when ``exact_accept_lengths`` is absent (DropMatch off).
 
     Returns:
-        The token count, or None when the lengths are not recorded.
+        The token count, or None when the lengths are not recorded or do not give one length per round.
     """
     exact = turn.exact_accept_lengths
     if exact is None and lossless:
         exact = turn.accept_lengths
+    if exact is None or (turn.rounds is not None and len(exact) != turn.rounds):
+        return None
     if not exact:
-        return None if exact is None else 0
+        return 0
     acc = turn.accept_lengths
     n = turn.n_tokens
     if not acc or n is None:
@@ -198,10 +200,46 @@ def _units(af: AnswerFile, keys: Iterable[str], questions: dict | None, other: A
             yield cat, i, turn, (other_turns[i] if other_turns is not None else None)
 
 
-def _block(units: list, lossless: bool, baseline: bool) -> dict:
+def _warn_zero_wall(path, figures: dict) -> None:
+    """Warn that tokens/s is blank ('-') where the decoding wall time of some turns totals 0 s."""
+    if path is not None and figures["wall_time"] == 0:
+        warn(f"{path}: wall_time totals 0 s over some turns (all, or a category or turn); tokens/s and speedup "
+             "are not computed there ('-')")
+
+
+def warn_missing_stats(path, turns: Sequence[Turn], lossless: bool, speed_only: bool = False) -> None:
+    """Warn about the statistics some turns of a file lack: the figures they blank or narrow.
+
+    Args:
+        path: The file, for the message.
+        turns: The turns the figures are computed over.
+        lossless: Whether exact lengths fall back to the accept lengths (see :func:`exact_committed`).
+        speed_only: Only wall_time matters (a baseline: its tokens/s anchors the speedup).
+    """
+    n = len(turns)
+    no_wall = sum(t.wall_time is None for t in turns)
+    if no_wall:
+        warn(f"{path}: {no_wall} of {n} turn(s) have no wall_time; tokens/s and speedup are not computed ('-') "
+             "wherever such a turn counts")
+    if speed_only:
+        return
+    no_rounds = sum(t.rounds is None for t in turns)
+    if no_rounds:
+        warn(f"{path}: {no_rounds} of {n} turn(s) record neither idxs nor accept_lengths; "
+             + ("tau is not computed" if no_rounds == n else "tau and exact tau are over the other turns"))
+    bad_exact = sum(t.rounds is not None and t.exact_accept_lengths is not None
+                    and len(t.exact_accept_lengths) != t.rounds for t in turns)
+    if bad_exact:
+        warn(f"{path}: {bad_exact} of {n} turn(s) have exact_accept_lengths whose length is not their number of "
+             "rounds; left out of exact tau")
+
+
+def _block(units: list, lossless: bool, baseline: bool, paths: tuple = (None, None)) -> dict:
     out = summarize([u[2] for u in units], lossless)
+    _warn_zero_wall(paths[0], out)
     if baseline:
         base = summarize([u[3] for u in units], True)
+        _warn_zero_wall(paths[1], base)
         out["baseline_tokens_per_s"] = base["tokens_per_s"]
         out["speedup"] = ratio(out["tokens_per_s"], base["tokens_per_s"])
         out["exact_match_rate"] = ratio(sum(same_answer(u[2], u[3]) for u in units), len(units))
@@ -210,31 +248,52 @@ def _block(units: list, lossless: bool, baseline: bool) -> dict:
     return out
 
 
+def check_baselines(baselines: Sequence[AnswerFile]) -> None:
+    """Refuse two baseline files of one bench (meta): each run is matched to the baseline of its bench.
+
+    Raises:
+        EvalError: Naming both files and the bench.
+    """
+    seen: dict[str, AnswerFile] = {}
+    for b in baselines:
+        if b.bench and b.bench in seen:
+            raise EvalError(f"{seen[b.bench].path} and {b.path} are both baselines of bench {b.bench!r} (meta); give "
+                            "one baseline per bench")
+        if b.bench:
+            seen[b.bench] = b
+
+
 def pick_baseline(af: AnswerFile, baselines: list[AnswerFile]) -> AnswerFile | None:
-    """The baseline file for a run: the one of the same bench (meta), else the only one given."""
+    """The baseline file for a run: the one of the same bench (meta), else the only one given when a meta lacks
+    the bench (with a warning).
+
+    Raises:
+        EvalError: When the run's meta records a bench and every baseline's records another (their question ids
+            name other questions).
+    """
     if not baselines:
         return None
     same = [b for b in baselines if af.bench is not None and b.bench == af.bench]
     if same:
         return same[0]
+    if af.bench is not None and all(b.bench for b in baselines):
+        if len(baselines) == 1:
+            check_same_bench(af, baselines[0], "baseline")
+        raise EvalError(f"{af.path}: no --baseline-file of bench {af.bench!r} (meta); the baselines answer "
+                        f"{', '.join(repr(b.bench) for b in baselines)}: give one baseline per bench")
     if len(baselines) == 1:
-        if af.bench and baselines[0].bench and af.bench != baselines[0].bench:
-            warn(f"{af.path}: bench {af.bench} compared with a baseline of bench {baselines[0].bench}")
-        return baselines[0]
+        b = baselines[0]
+        if af.bench != b.bench:
+            warn(f"{af.path}: compared with the baseline {b.path}, although only one of their metas records a bench "
+                 f"({af.bench or b.bench})")
+        return b
     warn(f"{af.path}: no baseline file of bench {af.bench}; speedup not computed")
     return None
 
 
-def analyze_run(af: AnswerFile, baseline: AnswerFile | None, questions: dict | None = None) -> dict:
-    """All figures of one answer file against its baseline.
-
-    Args:
-        af: The answer file.
-        baseline: The plain-decoding answer file of the same target and prompts (or None).
-        questions: Optional question set: restricts the questions and supplies categories.
-
-    Returns:
-        A dict of run figures with ``per_category`` and ``per_turn`` breakdowns.
+def shared_keys(af: AnswerFile, baseline: AnswerFile | None, questions: dict | None = None) -> list[str]:
+    """The questions of ``af`` its figures are computed over: those of the question set (when given) that the
+    baseline (when given) answers too, in file order.
 
     Raises:
         EvalError: When no question is shared with the question set or the baseline.
@@ -251,16 +310,38 @@ def analyze_run(af: AnswerFile, baseline: AnswerFile | None, questions: dict | N
         keys = [k for k in keys if k in baseline.answers]
         if not keys:
             raise EvalError(f"{af.path}: no question in common with the baseline {baseline.path}")
+    return keys
+
+
+def analyze_run(af: AnswerFile, baseline: AnswerFile | None, questions: dict | None = None) -> dict:
+    """All figures of one answer file against its baseline.
+
+    Args:
+        af: The answer file.
+        baseline: The plain-decoding answer file of the same target and prompts (or None).
+        questions: Optional question set: restricts the questions and supplies categories.
+
+    Returns:
+        A dict of run figures with ``per_category`` and ``per_turn`` breakdowns.
+
+    Raises:
+        EvalError: When no question is shared with the question set or the baseline.
+    """
+    keys = shared_keys(af, baseline, questions)
     units = list(_units(af, keys, questions, baseline))
     lossless = not af.dropmatch
     has_base = baseline is not None
+    paths = (af.path, baseline.path if has_base else None)
+    warn_missing_stats(af.path, [u[2] for u in units], lossless)
+    if has_base:
+        warn_missing_stats(baseline.path, [u[3] for u in units], True, speed_only=True)
     out = {
         "file": str(af.path), "model_id": af.model_id, "label": af.label, "method": af.method,
         "bench": af.bench, "tree": af.tree, "depth": af.depth,
         "baseline_file": str(baseline.path) if baseline else None,
         "n_questions": len(keys),
     }
-    out.update(_block(units, lossless, has_base))
+    out.update(_block(units, lossless, has_base, paths))
     out["exact_match_questions"] = (sum(
         all(same_answer(t, b) for t, b in zip(af.answers[k].turns, baseline.answers[k].turns)) for k in keys)
         if has_base else None)
@@ -269,8 +350,8 @@ def analyze_run(af: AnswerFile, baseline: AnswerFile | None, questions: dict | N
     for u in units:
         cats.setdefault(u[0], []).append(u)
         turns.setdefault(str(u[1] + 1), []).append(u)
-    out["per_category"] = {c: _block(us, lossless, has_base) for c, us in cats.items()}
-    out["per_turn"] = {t: _block(us, lossless, has_base) for t, us in turns.items()}
+    out["per_category"] = {c: _block(us, lossless, has_base, paths) for c, us in cats.items()}
+    out["per_turn"] = {t: _block(us, lossless, has_base, paths) for t, us in turns.items()}
     out["per_position"] = by_position([u[2] for u in units], lossless)
     return out
 
@@ -308,11 +389,16 @@ def group_runs(files: list[AnswerFile], runs: list[dict]) -> list[dict]:
     return out
 
 
-def speed_report(answer_files: Sequence[str], baseline_files: Sequence[str] = (),
+def speed_report(answer_files: Sequence[str | AnswerFile], baseline_files: Sequence[str | AnswerFile] = (),
                  questions: dict | None = None) -> dict:
-    """The full speed report as a JSON-able dict (top-level figures: the group of the first answer file)."""
-    files = [load_answers(p) for p in answer_files]
-    baselines = [load_answers(p) for p in baseline_files]
+    """The full speed report as a JSON-able dict (top-level figures: the group of the first answer file).
+
+    Raises:
+        EvalError: Two baselines of one bench, or a run whose bench no baseline answers (see :func:`pick_baseline`).
+    """
+    files = [f if isinstance(f, AnswerFile) else load_answers(f) for f in answer_files]
+    baselines = [f if isinstance(f, AnswerFile) else load_answers(f) for f in baseline_files]
+    check_baselines(baselines)
     runs = [analyze_run(af, pick_baseline(af, baselines), questions) for af in files]
     groups = group_runs(files, runs)
     top = {k: groups[0].get(k) for k in ("label", "bench", "tree", "depth", "n_runs") + RUN_METRICS}
@@ -373,12 +459,19 @@ def build_parser() -> OneLineParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m evaluation.speed``."""
     args = build_parser().parse_args(argv)
+    check_data_dir(args.data_dir)
     check_distinct(args.answer_file, "--answer-file")
     check_distinct(args.baseline_file, "--baseline-file")
+    check_distinct(args.answer_file + args.baseline_file, "--answer-file and --baseline-file")
+    files = [load_answers(p) for p in args.answer_file]
+    baselines = [load_answers(p) for p in args.baseline_file]
+    if args.bench and not args.question_file:
+        for af in files:
+            check_recorded_bench(args.bench, af)
     qpath = resolve_question_file(args.question_file, args.bench, args.data_dir)
     check_outputs([args.output], answer_paths(args.answer_file + args.baseline_file) + [qpath])
     questions = load_questions(qpath)
-    report = speed_report(args.answer_file, args.baseline_file, questions)
+    report = speed_report(files, baselines, questions)
     emit(report, args, render_text)
     return 0
 

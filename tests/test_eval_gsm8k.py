@@ -155,3 +155,9 @@ def test_explicit_bench_against_a_recorded_question_file_is_refused(tmp_path, ca
     assert rc == 0 and json.loads(capsys.readouterr().out)["n"] == 1
     rc = run_cli(gsm8k.main, ["--answer-file", af, "--question-file", qf, "--bench", "gsm8k", "--json"])
     assert rc == 0 and json.loads(capsys.readouterr().out)["accuracy"] == 1.0
+
+
+def test_data_dir_that_does_not_exist_is_refused(tmp_path, capsys):
+    qf, af = write_gsm8k(tmp_path, [["#### 4"]], ["#### 4"], meta={"bench": "gsm8k"})
+    rc = run_cli(gsm8k.main, ["--answer-file", af, "--data-dir", str(tmp_path / "no_such_data")])
+    one_error_line(rc, capsys, "--data-dir", "no_such_data")

@@ -541,3 +541,22 @@ def test_bench_the_meta_contradicts_is_refused(alpaca, capsys, meta, recorded):
         rc, _, err = run_judge(args + ["--bench", "alpaca"], capsys)
         one_error_line(rc, err, recorded, "omit --bench")
         assert stub.calls == 0
+
+
+def test_pairwise_baseline_of_another_bench_is_refused(alpaca, capsys):
+    """alpaca and gsm8k share question ids 0-79: a baseline of another bench would be judged on other questions."""
+    Path(alpaca["answers"] + ".meta.json").write_text(json.dumps({"bench": "alpaca"}))
+    Path(alpaca["baseline"] + ".meta.json").write_text(json.dumps({"bench": "gsm8k"}))
+    with JudgeStub(pair_responder) as stub:
+        rc, _, err = run_judge(pair_args(alpaca, stub, "--dry-run"), capsys)
+        one_error_line(rc, err, "b.jsonl", "'gsm8k'", "'alpaca'")
+        Path(alpaca["baseline"] + ".meta.json").write_text(json.dumps({"bench": None}))
+        rc, res, _ = run_judge(pair_args(alpaca, stub, "--dry-run"), capsys)
+        assert rc == 0 and res["calls"] == 10 and stub.calls == 0
+
+
+def test_data_dir_that_does_not_exist_is_refused(mt, tmp_path, capsys):
+    with JudgeStub(rating_responder) as stub:
+        rc, _, err = run_judge(single_args(mt, stub, "--data-dir", str(tmp_path / "no_such_data")), capsys)
+        one_error_line(rc, err, "--data-dir", "no_such_data")
+        assert stub.calls == 0

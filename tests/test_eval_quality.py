@@ -210,3 +210,22 @@ def test_unknown_conv_template_in_the_meta_is_refused(tmp_path, tiny_model, caps
     rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"],
                                 "--model-path", path, "--question-file", qfile])
     one_error_line(rc, capsys, "lossless.jsonl.meta.json", "no-such-template")
+
+
+def test_reference_of_another_bench_is_refused(tmp_path, capsys):
+    """alpaca and gsm8k share question ids: a reference of another bench answers other questions."""
+    _, files, _ = write_files(tmp_path)
+    meta = {name: tmp_path / f"{name}.jsonl.meta.json" for name in files}
+    meta["lossy"].write_text(json.dumps({"bench": "alpaca"}))
+    meta["lossless"].write_text(json.dumps({"bench": "gsm8k"}))
+    argv = ["--answer-file", files["lossy"], "--reference-file", files["lossless"], "--no-loglik"]
+    one_error_line(run_cli(quality.main, argv), capsys, "lossless.jsonl", "'gsm8k'", "'alpaca'")
+    meta["lossless"].write_text(json.dumps({"bench": "alpaca"}))
+    assert run_cli(quality.main, argv) == 0
+
+
+def test_data_dir_that_does_not_exist_is_refused(tmp_path, capsys):
+    _, files, _ = write_files(tmp_path)
+    rc = run_cli(quality.main, ["--answer-file", files["lossy"], "--reference-file", files["lossless"],
+                                "--no-loglik", "--data-dir", str(tmp_path / "no_such_data")])
+    one_error_line(rc, capsys, "--data-dir", "no_such_data")

@@ -190,3 +190,72 @@ def test_same_file_twice_under_one_name_is_refused(runs, capsys):
     rc = run_cli(report.main, ["--run", f"X={runs['dm_a']}", "--run", f"X={runs['dir'] / '.' / 'dm_a.jsonl'}"])
     one_error_line(rc, capsys, "given twice", "--run X")
     assert run_cli(report.main, ["--run", f"X={runs['dm_a']}", "--run", f"Y={runs['dm_a']}"]) == 0
+
+
+def test_run_file_as_baseline_or_baseline_twice_is_refused(runs, capsys):
+    rc = run_cli(report.main, ["--run", f"E={runs['e3']}", "--baseline-file", str(runs["dir"] / "." / "e3.jsonl")])
+    one_error_line(rc, capsys, "given twice", "--run E and --baseline-file")
+    rc = run_cli(report.main, ["--run", f"E={runs['e3']}", "--baseline-file", runs["base"],
+                               "--baseline-file", str(runs["dir"] / "." / "base.jsonl")])
+    one_error_line(rc, capsys, "given twice", "--baseline-file")
+
+
+def test_baseline_of_another_bench_is_refused(runs, capsys):
+    gsm = write_run(runs["dir"] / "gsm.jsonl", {**META, "method": "baseline", "bench": "gsm8k"}, 40, 4.0, 40)
+    rc = run_cli(report.main, ["--run", f"E={runs['e3']}", "--baseline-file", gsm])
+    one_error_line(rc, capsys, "gsm.jsonl", "'gsm8k'", "'mt_bench'")
+    rc = run_cli(report.main, ["--run", f"E={runs['e3']}", "--baseline-file", runs["base"], "--bench", "alpaca"])
+    one_error_line(rc, capsys, "'mt_bench'", "--bench alpaca", "omit --bench")
+    rc = run_cli(report.main, ["--run", f"E={runs['e3']}", "--bench", "mt_bench",
+                               "--data-dir", str(runs["dir"] / "nowhere")])
+    one_error_line(rc, capsys, "--data-dir", "nowhere")
+
+
+def write_questions(path, meta, stats):
+    """Several questions, one turn each: stats maps question id to (tokens, wall seconds, rounds)."""
+    lines = []
+    for qid, (tokens, wall, rounds) in stats.items():
+        acc = [tokens // rounds] * rounds
+        acc[-1] += tokens - sum(acc)
+        lines.append(json.dumps({"question_id": qid, "category": "writing", "model_id": "m", "choices": [{
+            "index": 0, "turns": [f"{path.name} {qid}"], "token_ids": [list(range(tokens))], "new_tokens": [tokens],
+            "wall_time": [wall], "idxs": [rounds - 1], "accept_lengths": [acc], "exact_accept_lengths": [acc]}]}))
+    path.write_text("\n".join(lines) + "\n")
+    (path.parent / (path.name + ".meta.json")).write_text(json.dumps(meta))
+    return str(path)
+
+
+def test_baseline_rows_are_the_baselines_of_the_speedups(runs, capsys):
+    """The baseline row shows the baseline each speedup is against, on the questions the runs share with it:
+    not the first --baseline-file (another bench's) nor the baseline's questions no run answered."""
+    d, base_meta = runs["dir"], {**META, "method": "baseline"}
+    gsm = write_questions(d / "gsm_b.jsonl", {**base_meta, "bench": "gsm8k"}, {81: (40, 8.0, 40)})
+    rc = run_cli(report.main, ["--baseline-file", gsm, "--baseline-file", runs["base"], "--run", f"E={runs['e3']}"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and lines[2:] == ["| baseline | - | 1.00 | 10.0 | 1.00x | - | - | - |",
+                                     "| E | N=32, D=4, K=8 | 2.50 | 20.0 | 2.00x | - | - | - |"]
+    # partial overlap: the baseline answers 81, 82, 83 (3 tok/s over all), the run only 81 and 82
+    part = write_questions(d / "part_b.jsonl", base_meta, {81: (10, 1.0, 10), 82: (10, 1.0, 10), 83: (10, 8.0, 10)})
+    run = write_questions(d / "part_e.jsonl", META, {81: (10, 0.5, 4), 82: (10, 0.5, 4)})
+    rc = run_cli(report.main, ["--baseline-file", part, "--run", f"E={run}", "--json"])
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rc == 0 and rows[0]["tokens_per_s"] == pytest.approx(10.0) and rows[0]["n_questions"] == 2
+    assert rows[1]["speedup"] == pytest.approx(2.0) and rows[1]["tokens_per_s"] == pytest.approx(20.0)
+    # runs of two benches: one baseline row per bench, named by it; the baseline name's results fill both
+    alp = write_questions(d / "alp_e.jsonl", {**META, "bench": "alpaca"}, {1: (30, 1.0, 10)})
+    alp_b = write_questions(d / "alp_b.jsonl", {**base_meta, "bench": "alpaca"}, {1: (30, 3.0, 30)})
+    rc = run_cli(report.main, ["--baseline-file", runs["base"], "--baseline-file", alp_b, "--run", f"E={runs['e3']}",
+                               "--run", f"A={alp}", "--gsm8k", f"baseline={runs['gsm8k']}"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and lines[2:] == ["| baseline (mt_bench) | - | 1.00 | 10.0 | 1.00x | 81.3 | - | - |",
+                                     "| baseline (alpaca) | - | 1.00 | 10.0 | 1.00x | 81.3 | - | - |",
+                                     "| E | N=32, D=4, K=8 | 2.50 | 20.0 | 2.00x | - | - | - |",
+                                     "| A | N=32, D=4, K=8 | 3.00 | 30.0 | 3.00x | - | - | - |"]
+
+
+@pytest.mark.parametrize("text", ['{"accuracy": NaN}', '{"accuracy": 1e400}', '{"accuracy": -Infinity}'])
+def test_non_finite_result_figure_is_refused(runs, capsys, text):
+    path = runs["dir"] / "r.json"
+    path.write_text(text)
+    rc = run_cli(report.main, ["--run", f"E={runs['e3']}", "--gsm8k", f"E={path}"])
+    one_error_line(rc, capsys, "--gsm8k", str(path), "'accuracy'")

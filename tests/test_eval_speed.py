@@ -311,3 +311,122 @@ def test_per_position_table_and_repeats(files, capsys):
                         "(a round counts where it starts):")
     assert lines[start + 2:start + 5] == ["| tokens | rounds | tau | exact tau | repeated 5-grams |",
                                           "|---|---|---|---|---|", "| 1-64 | 11 | 4.36 | 3.64 | 0.000 |"]
+
+
+def test_answer_file_as_its_own_baseline_is_refused(tmp_path, files, capsys):
+    """The answer file given as its own baseline (even spelled another way) would give a speedup of 1.00."""
+    base, dm, _ = files
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", str(tmp_path / "." / "dm.jsonl")])
+    one_error_line(rc, capsys, "given twice", "--answer-file and --baseline-file")
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base, str(tmp_path / "." / "base.jsonl")])
+    one_error_line(rc, capsys, "given twice", "--baseline-file")
+
+
+def test_hard_linked_output_or_input_is_the_same_file(tmp_path, files, capsys):
+    """A hard link is the same file under another name: as --output it would overwrite the input it links to."""
+    import os
+
+    base, dm, _ = files
+    link = tmp_path / "hl.jsonl"
+    os.link(dm, link)
+    before = open(dm).read()
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base, "--output", str(link)])
+    one_error_line(rc, capsys, "also an input", "overwrite")
+    assert open(dm).read() == before
+    rc = run_cli(speed.main, ["--answer-file", dm, str(link), "--baseline-file", base])
+    one_error_line(rc, capsys, "given twice", "--answer-file")
+
+
+def test_baseline_of_another_bench_is_refused(tmp_path, files, capsys):
+    """alpaca, gsm8k and humaneval share question ids: a baseline of another bench would compare other questions."""
+    base, dm, _ = files
+    gsm = write_answers(tmp_path / "gsm.jsonl", baseline_records(), {**META_BASE, "bench": "gsm8k"})
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", gsm])
+    one_error_line(rc, capsys, "gsm.jsonl", "'gsm8k'", "'mt_bench'")
+    # one baseline per bench: each run is matched to its own
+    assert run_cli(speed.main, ["--answer-file", dm, "--baseline-file", gsm, base, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["speedup"] == pytest.approx(2.4)
+    base2 = write_answers(tmp_path / "base2.jsonl", baseline_records(), META_BASE)
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base, base2])
+    one_error_line(rc, capsys, "'mt_bench'", "base2.jsonl", "one baseline per bench")
+    # a baseline without a recorded bench is still used, with a warning
+    nobench = write_answers(tmp_path / "nobench.jsonl", baseline_records(), {**META_BASE, "bench": None})
+    assert run_cli(speed.main, ["--answer-file", dm, "--baseline-file", nobench, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["speedup"] == pytest.approx(2.4)
+
+
+def test_bench_the_meta_contradicts_is_refused(tmp_path, files, capsys):
+    base, dm, _ = files
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base, "--bench", "gsm8k"])
+    one_error_line(rc, capsys, "'mt_bench'", "--bench gsm8k", "omit --bench")
+
+
+def test_data_dir_that_does_not_exist_is_refused(tmp_path, files, capsys):
+    base, dm, _ = files
+    missing = str(tmp_path / "no_such_data")
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base, "--bench", "mt_bench",
+                              "--data-dir", missing])
+    one_error_line(rc, capsys, "--data-dir", missing)
+    rc = run_cli(speed.main, ["--answer-file", dm, "--baseline-file", base, "--data-dir", dm])
+    one_error_line(rc, capsys, "--data-dir", "not a directory")
+
+
+@pytest.mark.parametrize("wall", ["-1000", "NaN", "Infinity", "-Infinity", "1e400"])
+def test_bad_wall_time_names_the_file_and_line(tmp_path, files, capsys, wall):
+    base, _, _ = files
+    recs = dm_records()
+    recs[1]["wall_time"] = [0.25, 12345.5]
+    path = write_answers(tmp_path / "w.jsonl", recs, META_DM)
+    (tmp_path / "w.jsonl").write_text((tmp_path / "w.jsonl").read_text().replace("12345.5", wall))
+    rc = run_cli(speed.main, ["--answer-file", path, "--baseline-file", base])
+    one_error_line(rc, capsys, "w.jsonl:2", "wall_time", ">= 0")
+
+
+def test_zero_wall_time_shows_dash_with_a_warning(tmp_path, files, capsys):
+    base, _, _ = files
+    path = write_answers(tmp_path / "z.jsonl", dm_records(0.0), META_DM)
+    assert run_cli(speed.main, ["--answer-file", path, "--baseline-file", base, "--json"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["tokens_per_s"] is None and out["speedup"] is None and out["tau"] == pytest.approx(48 / 11)
+    assert "z.jsonl" in cap.err and "wall_time totals 0" in cap.err
+    zero_base = write_answers(tmp_path / "zb.jsonl", [{**r, "wall_time": [0.0, 0.0]} for r in baseline_records()],
+                              META_BASE)
+    dm = write_answers(tmp_path / "dm0.jsonl", dm_records(), META_DM)
+    assert run_cli(speed.main, ["--answer-file", dm, "--baseline-file", zero_base, "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["speedup"] is None and "zb.jsonl" in cap.err and "wall_time totals 0" in cap.err
+
+
+def test_missing_wall_time_or_idxs_is_warned(tmp_path, files, capsys):
+    """A turn without wall_time blanks tokens/s; turns without idxs (nor accept_lengths) leave tau: each warned."""
+    base, _, _ = files
+    recs = dm_records()
+    recs[0]["wall_time"] = [0.5, None]
+    path = write_answers(tmp_path / "nowall.jsonl", recs, META_DM)
+    assert run_cli(speed.main, ["--answer-file", path, "--baseline-file", base, "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["tokens_per_s"] is None
+    assert "nowall.jsonl: 1 of 4 turn(s) have no wall_time" in cap.err
+    recs = dm_records()
+    for r in recs:
+        r.pop("idxs")
+        r.pop("accept_lengths")
+    path = write_answers(tmp_path / "noidx.jsonl", recs, META_DM)
+    assert run_cli(speed.main, ["--answer-file", path, "--baseline-file", base, "--json"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["tau"] is None
+    assert "noidx.jsonl: 4 of 4 turn(s) record neither idxs nor accept_lengths" in cap.err
+
+
+def test_exact_accept_lengths_of_another_length_are_left_out(tmp_path, files, capsys):
+    """An empty (or short) exact_accept_lengths for a turn that has rounds would lower exact tau: left out, warned."""
+    base, _, _ = files
+    recs = dm_records()
+    recs[1]["exact_accept_lengths"] = [[], [6, 6]]  # q2 t1 had 2 rounds
+    path = write_answers(tmp_path / "short.jsonl", recs, META_DM)
+    assert run_cli(speed.main, ["--answer-file", path, "--baseline-file", base, "--json"]) == 0
+    cap = capsys.readouterr()
+    # without q2 t1 (exact 6 over 2 rounds): exact (9 + 13 + 12) / (3 + 4 + 2) rounds
+    assert json.loads(cap.out)["exact_tau"] == pytest.approx(34 / 9)
+    assert "short.jsonl: 1 of 4 turn(s)" in cap.err and "exact_accept_lengths" in cap.err
