@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -62,59 +63,117 @@ def _normalise(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def read_prompt_file(path: Path) -> list[str]:
-    """First human turns from ShareGPT-style records (json array or jsonl), or one prompt per line."""
+JSON_SUFFIXES = (".json", ".jsonl")
+
+
+def _first_user_turn(rec: object) -> str | None:
+    """The first human turn of one record (ShareGPT ``conversations``, OpenAI ``messages``, MT-Bench ``turns``,
+    ``prompt``/``instruction`` fields, or a JSON string), or None when it holds none."""
+    if isinstance(rec, str):
+        return rec
+    if not isinstance(rec, dict):
+        return None
+    turns = rec.get("conversations") or rec.get("messages") or rec.get("turns") or []
+    first = None
+    if isinstance(turns, list):
+        first = next((t.get("value") or t.get("content") for t in turns if isinstance(t, dict)
+                      and t.get("from", t.get("role")) in ("human", "user")), None)
+        if first is None and turns and isinstance(turns[0], str):
+            first = turns[0]
+    first = first or rec.get("prompt") or rec.get("instruction")
+    return first if isinstance(first, str) else None
+
+
+def _json_lines(lines: list[str]) -> tuple[list, int]:
+    """The records of the lines that parse as JSON, and how many did not."""
+    records, bad = [], 0
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            bad += 1
+    return records, bad
+
+
+def _json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def read_prompt_file(path: Path, log: Callable[[str], None] | None = None) -> list[str]:
+    """First human turns of ShareGPT-style records, or one prompt per line.
+
+    The format is decided for the whole file (a UTF-8 BOM is ignored): a JSON array (or one JSON object) when
+    the whole file parses as one; JSON lines for a ``.json``/``.jsonl`` file or one whose first line parses
+    as a JSON object; plain text (one prompt per line) otherwise. Records that do not parse or hold no user
+    prompt are skipped, and their count is printed (one line, through ``log``; stderr by default).
+    """
     if not path.is_file():
         raise TrainError(f"prompt file not found: {path}")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    records: list = []
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            records = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise TrainError(f"{path} is not a valid JSON array: {exc}") from None
+    text = path.read_text(encoding="utf-8", errors="replace").removeprefix("\ufeff")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    try:
+        whole = json.loads(text) if text.strip() else None
+    except json.JSONDecodeError:
+        whole = None
+    bad = 0
+    if isinstance(whole, (list, dict)):
+        records = whole if isinstance(whole, list) else [whole]
+    elif path.suffix.lower() in JSON_SUFFIXES or (lines and _json_object(lines[0])):
+        records, bad = _json_lines(lines)
     else:
-        for line in text.splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("{"):
-                try:
-                    records.append(json.loads(line))
-                    continue
-                except json.JSONDecodeError:
-                    pass
-            records.append(line)
-    prompts = []
-    for rec in records:
-        if isinstance(rec, str):
-            prompts.append(rec)
-        elif isinstance(rec, dict):
-            turns = rec.get("conversations") or rec.get("turns") or []
-            first = next((t.get("value") or t.get("content") for t in turns if isinstance(t, dict)
-                          and t.get("from", t.get("role")) in ("human", "user")), None)
-            if first is None and isinstance(turns, list) and turns and isinstance(turns[0], str):
-                first = turns[0]
-            first = first or rec.get("prompt") or rec.get("instruction")
-            if isinstance(first, str):
-                prompts.append(first)
-    return [p.strip() for p in prompts if isinstance(p, str) and p.strip()]
+        records = lines
+    prompts = [(_first_user_turn(rec) or "").strip() for rec in records]
+    skipped = bad + sum(not p for p in prompts)
+    if skipped:
+        (log or (lambda m: print(m, file=sys.stderr)))(
+            f"prompts: {path}: skipped {skipped} of {bad + len(records)} records (not valid JSON, or no user "
+            "prompt in them)")
+    return [p for p in prompts if p]
 
 
-def evaluation_prompts(extra: list[Path]) -> set[str]:
-    """Normalised prompts of the evaluation sets (../shared/data when found, and ``--exclude`` files)."""
+def _package_data_roots() -> list[Path]:
+    """``shared/data`` folders beside the package's ancestors (the repository's ``../shared/data``), so that
+    the evaluation sets are found whatever the current directory."""
+    here = Path(__file__).resolve().parent
+    return [folder / "shared" / "data" for folder in here.parents if (folder / "shared" / "data").is_dir()]
+
+
+def evaluation_prompts(extra: list[Path], data_dir: str | None = None,
+                       log: Callable[[str], None] | None = None) -> set[str]:
+    """Normalised prompts of the evaluation sets and of the ``--exclude`` files.
+
+    Each of ``resources.BENCHES`` is looked up as the other commands do (``data_dir``, ``$EAGLE_DROPMATCH_DATA``,
+    ``shared/data`` above the current directory, the cache) and also in the ``shared/data`` beside the
+    package's repository; every copy found is excluded. One line says which sets were found and which not.
+    """
     from .resources import BENCHES, ResourceError, question_file, read_questions
+    say = log or (lambda m: print(m, file=sys.stderr))
     texts: set[str] = set()
+    found, missing = [], []
+    roots = ([data_dir] if data_dir else []) + [str(r) for r in _package_data_roots()] + [None]
     for bench in BENCHES:
-        try:
-            path = question_file(bench)
-        except ResourceError:
-            continue
-        for q in read_questions(path):
-            texts.update(_normalise(t) for t in q["turns"])
+        paths = set()
+        for root in roots:
+            try:
+                paths.add(Path(question_file(bench, root)).resolve())
+            except ResourceError:
+                continue
+        for path in sorted(paths):
+            try:
+                questions = read_questions(path)
+            except ResourceError as exc:
+                raise TrainError(f"evaluation set {bench}: {exc}") from None
+            for q in questions:
+                texts.update(_normalise(t) for t in q["turns"])
+        (found if paths else missing).append(bench)
+    say(f"evaluation sets checked for overlap: {', '.join(found) or 'none'} found"
+        + (f"; NOT found (not excluded): {', '.join(missing)} (pass --data-dir or set EAGLE_DROPMATCH_DATA)"
+           if missing else "") + f"; --exclude files: {len(extra)}")
     for path in extra:
-        texts.update(_normalise(p) for p in read_prompt_file(Path(path)))
+        texts.update(_normalise(p) for p in read_prompt_file(Path(path), say))
     return texts
 
 
@@ -182,21 +241,45 @@ def self_written_prompts(target, tokenizer, n: int, eos: list[int], seed: int,
     return prompts
 
 
+def save_atomic(obj: object, path: Path) -> None:
+    """``torch.save`` to a temporary name in the same folder, then renamed: a kill never leaves a cut file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def generate_examples(target, tokenizer, prompts: list[str], work: Path, max_new_tokens: int,
-                      batch_size: int, shard_size: int, eos: list[int], max_prompt_tokens: int) -> None:
-    """Self-distilled examples in shards ``responses_*.pt`` ({input_ids, loss_mask} lists); resumable."""
+                      batch_size: int, shard_size: int, eos: list[int], max_prompt_tokens: int,
+                      log: Callable[[str], None] | None = None) -> None:
+    """Self-distilled examples in shards ``responses_*.pt`` ({input_ids, loss_mask} lists); resumable.
+
+    Shard ``s`` holds the prompts ``s * shard_size ...`` in order of length. A prompt longer than
+    ``max_prompt_tokens`` once rendered with the chat template is skipped (cutting it would cut off the
+    template's assistant header, and the loss mask would then cover the target continuing the user's text);
+    their count is printed in one line.
+    """
     from tqdm import tqdm
     shards = sorted(work.glob("responses_*.pt"))
     start = len(shards) * shard_size
     bar = tqdm(total=len(prompts), initial=min(start, len(prompts)), unit="prompt", desc="responses",
                file=sys.stderr)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths batch well
+    too_long = 0
     for shard_start in range(start, len(prompts), shard_size):
         examples, tokens = [], 0
-        chunk = order[shard_start:shard_start + shard_size]
+        rendered = [chat_template_ids(tokenizer, [{"role": "user", "content": prompts[j]}])
+                    for j in order[shard_start:shard_start + shard_size]]
+        chunk = [ids for ids in rendered if len(ids) <= max_prompt_tokens]
+        too_long += len(rendered) - len(chunk)
+        bar.update(len(rendered) - len(chunk))
         for i in range(0, len(chunk), batch_size):
-            batch = [chat_template_ids(tokenizer, [{"role": "user", "content": prompts[j]}])[:max_prompt_tokens]
-                     for j in chunk[i:i + batch_size]]
+            batch = chunk[i:i + batch_size]
             for prompt, resp in zip(batch, generate_batch(target, tokenizer, batch, max_new_tokens, eos)):
                 ids = torch.tensor(prompt + resp, dtype=torch.int32)
                 mask = torch.zeros(len(ids), dtype=torch.bool)
@@ -204,9 +287,13 @@ def generate_examples(target, tokenizer, prompts: list[str], work: Path, max_new
                 examples.append({"input_ids": ids, "loss_mask": mask})
                 tokens += len(resp)
             bar.update(len(batch))
-        torch.save(examples, work / f"responses_{shard_start // shard_size:05d}.pt")
+        save_atomic(examples, work / f"responses_{shard_start // shard_size:05d}.pt")
         bar.set_postfix(last_shard_tokens=tokens)
     bar.close()
+    if too_long:
+        (log or (lambda m: print(m, file=sys.stderr)))(
+            f"responses: skipped {too_long} of {max(len(prompts) - start, 0)} prompts longer than "
+            f"--max-prompt-tokens {max_prompt_tokens} once rendered with the chat template")
 
 
 def load_examples(work: Path) -> list[dict]:
@@ -258,7 +345,7 @@ def compute_features(target, examples: list[dict], aux: list[int], work: Path, s
             ids = ex["input_ids"].long()[None]
             hidden, feats = target_forward(decoder, ids, torch.arange(ids.shape[1])[None], None, None, aux)
             out.append({"features": feats.to(torch.bfloat16), "hidden": hidden.to(torch.bfloat16)})
-        torch.save(out, work / f"features_{start // shard_size:05d}.pt")
+        save_atomic(out, work / f"features_{start // shard_size:05d}.pt")
 
 
 # ---------------------------------------------------------------------------- training
@@ -370,6 +457,42 @@ def held_out_indices(n: int, holdout: int, seed: int) -> list[int]:
     return sorted(random.Random(seed).sample(range(n), holdout))
 
 
+PATH_SETTINGS = ("model_path", "prompts", "init_head", "data_dir")
+SETTING_NAMES = {"aux": "feature layers (--init-head's or the default)", "heldout": "held-out examples (--holdout)"}
+
+
+def _resolved_path(value: object, key: str = "") -> object:
+    """A path made absolute; anything else (None, a number) unchanged. A ``model_path`` that is no existing
+    path is left as it is (a model id in the local hub cache)."""
+    if not isinstance(value, str) or not value or (key == "model_path" and not Path(value).expanduser().exists()):
+        return value
+    return str(Path(value).expanduser().resolve())
+
+
+def resolved_settings(settings: dict) -> dict:
+    """``settings`` with its paths (``PATH_SETTINGS``, and the ``exclude`` list) resolved, so that records made
+    with relative paths (runs before paths were recorded resolved) compare equal from the same directory."""
+    out = {k: _resolved_path(v, k) if k in PATH_SETTINGS else v for k, v in settings.items()}
+    if isinstance(out.get("exclude"), list):
+        out["exclude"] = sorted(str(_resolved_path(v)) for v in out["exclude"])
+    return out
+
+
+def settings_difference(recorded: object, current: dict | None, keys: list[str] | None = None) -> str | None:
+    """The first setting that differs between a record and this run, as "--name: X then, Y now"; None when
+    they agree (on ``keys`` only, when given)."""
+    if recorded == current:
+        return None
+    if not isinstance(recorded, dict) or not isinstance(current, dict):
+        return f"settings {recorded!r} then, {current!r} now"
+    then, now = resolved_settings(recorded), resolved_settings(current)
+    for key in keys if keys is not None else list(now) + [k for k in then if k not in now]:
+        if then.get(key) != now.get(key):
+            name = SETTING_NAMES.get(key, f"--{key.replace('_', '-')}")
+            return f"{name}: {then.get(key)!r} then, {now.get(key)!r} now"
+    return None
+
+
 def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, epochs: int, lr: float,
                steps: int, batch_tokens: int, seed: int, checkpoint_every: int, shard_size: int,
                max_seq: int, max_updates: int | None = None, autocast: bool = True, log=print,
@@ -377,27 +500,39 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
     """AdamW (0.9, 0.95), grad clip 0.5, cosine schedule, bf16 autocast; checkpoints and resumes.
 
     ``examples[i]`` pairs with row ``i % shard_size`` of feature shard ``i // shard_size``; the indices in
-    ``exclude`` (the held-out examples) are never trained on.
+    ``exclude`` (the held-out examples) are never trained on. An update is made every ``batch_tokens`` tokens
+    and at the end of every epoch for the tokens pending then.
 
-    A checkpoint is written every ``checkpoint_every`` optimizer updates, at the end of every epoch and when
-    ``max_updates`` stops the run early; rerunning continues from it exactly (same data order, same
-    optimizer state). The checkpoint records ``run_settings``; one recorded by other settings is refused
-    (TrainError) rather than resumed into this run. Returns {"history": per-epoch acc_k, "stopped": whether
-    max_updates stopped it}.
+    A checkpoint (the head, the optimizer, the position, the per-epoch history and the interrupted epoch's
+    running accuracy sums) is written every ``checkpoint_every`` optimizer updates, at the end of every epoch
+    and when ``max_updates`` stops the run early; rerunning continues from it exactly (same data order, same
+    optimizer state, same history). The checkpoint records ``run_settings``; one recorded by other settings
+    is refused (TrainError) rather than resumed into this run. Returns {"history": per-epoch acc_k of every
+    epoch trained in this work folder, "stopped": whether max_updates stopped it, "trained_epochs": epochs
+    finished by this call, "epochs_done": epochs finished in all}.
     """
     from tqdm import tqdm
     params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt = work / "checkpoint.pt"
     state = {"epoch": 0, "index": 0, "updates": 0}
+    history: list[dict] = []
+    running = {"acc": [0.0] * steps, "cnt": [0] * steps}  # the current epoch's accuracy sums
     if ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
-        if saved.get("settings") != run_settings:
-            raise TrainError(f"{ckpt} was written by a run with other settings ({saved.get('settings')}); "
+        try:
+            saved = torch.load(ckpt, weights_only=False)
+        except Exception as exc:  # a file cut short by a kill in a version that wrote it in place
+            raise TrainError(f"{ckpt} cannot be read ({type(exc).__name__}); delete it to start over") from None
+        difference = settings_difference(saved.get("settings"), run_settings)
+        if difference:
+            raise TrainError(f"{ckpt} was written by a run with other settings ({difference}); "
                              "choose another --work-dir or delete the checkpoint")
         head.load_state_dict(saved["head"])  # strict
         opt.load_state_dict(saved["optimizer"])
         state = saved["state"]
+        history = list(saved.get("history", []))
+        if state["index"] > 0 and "running" in saved:
+            running = saved["running"]
         log(f"resumed from {ckpt} at epoch {state['epoch']}, example {state['index']}")
     target_logits_of = draft_vocab_logits(head, target, torch.bfloat16)
     t2d = head.t2d.clone()
@@ -405,18 +540,43 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
     n = len(examples)
     total_updates = max(1, epochs * sum(len(e["input_ids"]) for i, e in enumerate(examples) if i not in exclude)
                         // batch_tokens)
-    history = []
     head.train()
+    trained_epochs = 0
 
     def save(index: int) -> None:
-        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(),
-                    "state": {**state, "index": index}, "settings": run_settings}, ckpt)
+        save_atomic({"head": head.state_dict(), "optimizer": opt.state_dict(), "state": {**state, "index": index},
+                     "settings": run_settings, "history": history, "running": running}, ckpt)
+
+    def update(index: int) -> bool:
+        """One optimizer step; a checkpoint when due. True when ``max_updates`` stops the run here."""
+        for group in opt.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * min(state["updates"] / total_updates, 1.0)))
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad()
+        state["updates"] += 1
+        if state["updates"] % 10 == 0:
+            bar.set_postfix({f"acc_{k}": f"{running['acc'][k] / max(running['cnt'][k], 1):.3f}"
+                             for k in range(steps)})
+        if max_updates is not None and state["updates"] >= max_updates:
+            save(index)
+            return True
+        if state["updates"] % checkpoint_every == 0:
+            save(index)
+        return False
+
+    def stop() -> dict:
+        bar.close()
+        head.eval()
+        return {"history": history, "stopped": True, "trained_epochs": trained_epochs, "epochs_done": state["epoch"]}
 
     for epoch in range(state["epoch"], epochs):
         order = shuffled_by_shard(n, shard_size, seed + epoch)  # one feature shard in memory at a time
         bar = tqdm(total=n, initial=state["index"], desc=f"epoch {epoch + 1}/{epochs}", file=sys.stderr)
         cached_shard, cached = -1, None
-        acc_sum, cnt_sum, tokens = [0.0] * steps, [0] * steps, 0
+        if state["index"] == 0:
+            running = {"acc": [0.0] * steps, "cnt": [0] * steps}
+        tokens = 0
         opt.zero_grad()
         for pos in range(state["index"], n):
             i = order[pos]
@@ -438,34 +598,26 @@ def train_head(head: Eagle3Head, target, examples: list[dict], work: Path, *, ep
             (loss * len(ids) / batch_tokens).backward()
             tokens += len(ids)
             for k in range(steps):
-                acc_sum[k] += accs[k] * counts[k]
-                cnt_sum[k] += counts[k]
-            if tokens >= batch_tokens or pos == n - 1:
-                for group in opt.param_groups:
-                    group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * min(state["updates"] / total_updates, 1.0)))
-                torch.nn.utils.clip_grad_norm_(params, 0.5)
-                opt.step()
-                opt.zero_grad()
-                state["updates"] += 1
-                tokens = 0
-                if state["updates"] % 10 == 0:
-                    bar.set_postfix({f"acc_{k}": f"{acc_sum[k] / max(cnt_sum[k], 1):.3f}" for k in range(steps)})
-                if max_updates is not None and state["updates"] >= max_updates:
-                    save(pos + 1)
-                    bar.close()
-                    head.eval()
-                    return {"history": history, "stopped": True}
-                if state["updates"] % checkpoint_every == 0:
-                    save(pos + 1)
+                running["acc"][k] += accs[k] * counts[k]
+                running["cnt"][k] += counts[k]
             bar.update(1)
+            if tokens >= batch_tokens:
+                tokens = 0
+                if update(pos + 1):
+                    return stop()
+        if tokens:  # the epoch's last tokens (also when its last examples were held out or skipped)
+            tokens = 0
+            if update(n):
+                return stop()
         bar.close()
-        accs = [acc_sum[k] / max(cnt_sum[k], 1) for k in range(steps)]
+        accs = [running["acc"][k] / max(running["cnt"][k], 1) for k in range(steps)]
         history.append({"epoch": epoch + 1, **{f"acc_{k}": round(a, 4) for k, a in enumerate(accs)}})
         log(f"epoch {epoch + 1}: " + " ".join(f"acc_{k} {a:.3f}" for k, a in enumerate(accs)))
         state = {"epoch": epoch + 1, "index": 0, "updates": state["updates"]}
+        trained_epochs += 1
         save(0)
     head.eval()
-    return {"history": history, "stopped": False}
+    return {"history": history, "stopped": False, "trained_epochs": trained_epochs, "epochs_done": state["epoch"]}
 
 
 @torch.no_grad()
@@ -495,6 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prompts", help="ShareGPT-style jsonl/json or one prompt per line (default: self-written)")
     a("--num-prompts", type=int, default=2000, help="prompts to use (self-written: how many to write)")
     a("--exclude", nargs="*", default=[], help="more prompt files whose prompts must not be trained on")
+    a("--data-dir", help="data directory holding the evaluation sets (<bench>/question.jsonl) to exclude; also "
+                         "searched: $EAGLE_DROPMATCH_DATA, shared/data above the current directory and beside the "
+                         "package, the cache")
     a("--max-new-tokens", type=int, default=384)
     a("--max-prompt-tokens", type=int, default=512)
     a("--gen-batch-size", type=int, default=16)
@@ -519,23 +674,90 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 AT_LEAST_ONE = ("num_prompts", "max_new_tokens", "max_prompt_tokens", "gen_batch_size", "ttt_steps", "batch_tokens",
-                "max_seq", "shard_size", "checkpoint_every", "intermediate_size", "threads")
+                "max_seq", "shard_size", "checkpoint_every", "intermediate_size", "threads", "max_updates")
 
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Raise TrainError, in one line, for a count below 1 (``AT_LEAST_ONE``; unset optional ones pass), a negative
-    --epochs (0 writes the data set, vocabulary and starting head only), --holdout or --max-updates, or a
-    learning rate that is not a positive number."""
+    --epochs (0 writes the data set, vocabulary and starting head only) or --holdout, or a learning rate that is
+    not a positive number."""
     for name in AT_LEAST_ONE:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise TrainError(f"{name.replace('_', '-')} must be >= 1, got {value}")
-    for name in ("epochs", "holdout", "max_updates"):
+    for name in ("epochs", "holdout"):
         value = getattr(args, name)
         if value is not None and value < 0:
             raise TrainError(f"{name.replace('_', '-')} must be >= 0, got {value}")
     if not math.isfinite(args.lr) or args.lr <= 0:
         raise TrainError(f"lr must be a positive number, got {args.lr}")
+
+
+MANIFEST = "manifest.json"
+
+
+def data_manifest(args: argparse.Namespace, aux: list[int]) -> dict:
+    """The settings that determine a work folder's ``prompts.json``, ``responses_*.pt`` and ``features_*.pt``
+    (paths resolved, so the same run from another directory matches)."""
+    manifest = {"model_path": _resolved_path(args.model_path, "model_path"), "dtype": args.dtype,
+                "prompts": _resolved_path(args.prompts), "num_prompts": args.num_prompts, "seed": args.seed,
+                "exclude": sorted(str(_resolved_path(e)) for e in args.exclude),
+                "data_dir": _resolved_path(args.data_dir), "max_prompt_tokens": args.max_prompt_tokens,
+                "max_new_tokens": args.max_new_tokens, "shard_size": args.shard_size, "aux": list(aux)}
+    if not args.prompts:  # self-written prompts are sampled in batches: the batch size shapes them
+        manifest["gen_batch_size"] = args.gen_batch_size
+    return manifest
+
+
+def check_work_folder(work: Path, manifest: dict) -> bool:
+    """Refuse (TrainError, one line naming the setting) a work folder whose data were made with other settings
+    than ``manifest``'s. Returns whether it holds data already; one written before manifests existed is
+    accepted as made by these settings (the README reuses shards by links)."""
+    has_data = (work / "prompts.json").exists() or any(work.glob("responses_*.pt")) or any(work.glob("features_*.pt"))
+    path = work / MANIFEST
+    if has_data and path.exists():
+        try:
+            recorded = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise TrainError(f"{path} cannot be read ({exc}); delete it to accept the folder's data") from None
+        keys = list(recorded) if isinstance(recorded, dict) else None  # keys recorded since are not checked
+        difference = settings_difference(recorded, manifest, keys)
+        if difference:
+            raise TrainError(f"{work} holds data made with other settings ({difference}); choose another "
+                             "--work-dir or delete its data")
+    elif has_data:
+        print(f"{work}: no {MANIFEST} (data made before the trainer wrote one): reusing its data as made by these "
+              "settings", file=sys.stderr)
+    return has_data
+
+
+def check_head_config(target, draft_vocab_size: int, intermediate_size: int | None) -> None:
+    """Build (on the meta device: no memory, no time) the head ``init_head_for_target`` will make, so that a
+    target whose config the head cannot follow fails before any generation, in one line."""
+    from .head import head_config_for_target
+    try:
+        cfg = head_config_for_target(target.config, draft_vocab_size=draft_vocab_size,
+                                     intermediate_size=intermediate_size)
+        with torch.device("meta"):
+            Eagle3Head(cfg, target.get_input_embeddings())
+    except (AttributeError, TypeError, ValueError, KeyError, RuntimeError) as exc:
+        raise TrainError(f"cannot build a head for this target: {type(exc).__name__}: {exc}") from None
+
+
+def select_prompts(prompts: list[str], args: argparse.Namespace) -> list[str]:
+    """The prompts to train on: those in no evaluation set (count printed), shuffled (``--seed``), at most
+    ``--num-prompts``; TrainError when none is left."""
+    prompts, dropped = drop_evaluation_prompts(prompts, evaluation_prompts(args.exclude, args.data_dir))
+    print(f"prompts: {len(prompts)} usable, {dropped} dropped because they appear in an evaluation set",
+          file=sys.stderr)
+    random.Random(args.seed).shuffle(prompts)
+    prompts = prompts[:args.num_prompts]
+    if not prompts:
+        raise TrainError("no usable prompts (empty file, or every prompt is in an evaluation set)")
+    if len(prompts) < args.num_prompts:
+        print(f"prompts: --num-prompts {args.num_prompts} asked for more than the {len(prompts)} usable; "
+              f"training on {len(prompts)}", file=sys.stderr)
+    return prompts
 
 
 def run(args: argparse.Namespace) -> int:
@@ -548,16 +770,21 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise TrainError(f"--out {out} exists and is not a folder")
     work = Path(args.work_dir or f"{out}.work")
-    for folder in (out, work):  # now, rather than when the trained head is written
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise TrainError(f"cannot create the folder {folder}: {exc.strerror or exc}") from None
+    if work.exists() and not work.is_dir():
+        raise TrainError(f"--work-dir {work} exists and is not a folder")
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        raise TrainError(f"--data-dir {args.data_dir} is not a folder")
+    if not (work / "prompts.json").exists():  # else the prompts are made and these files are not read
+        for path in ([args.prompts] if args.prompts else []) + list(args.exclude):
+            if not Path(path).is_file():
+                raise TrainError(f"prompt file not found: {path}")
     if args.model_path is None:
         from .resources import default_target_path
         args.model_path = str(default_target_path())
     settings = {k: getattr(args, k) for k in ("model_path", "draft_vocab_size", "ttt_steps", "seed",
                                                "intermediate_size", "prompts", "num_prompts", "init_head")}
+    settings["model_path"] = _resolved_path(args.model_path, "model_path")
+    settings["prompts"] = _resolved_path(args.prompts)
     if settings["init_head"] is None:  # records of runs made before --init-head existed stay valid
         del settings["init_head"]
     else:
@@ -565,6 +792,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         target, tokenizer = load_target(args.model_path, resolve_dtype(args.dtype), "cpu")
     except LoadError as exc:
+        if not Path(args.model_path).expanduser().exists():  # not a folder (nor a model in the local hub cache)
+            raise TrainError(f"cannot load target {args.model_path}: the folder does not exist") from None
         raise TrainError(str(exc)) from None
     try:  # a head for a target the engine cannot verify trees on would be of no use
         check_tree_verification(target)
@@ -593,7 +822,7 @@ def run(args: argparse.Namespace) -> int:
     if (out / "config.json").exists():
         recorded = out / "training.json"
         record = json.loads(recorded.read_text()) if recorded.exists() else None
-        if (record or {}).get("settings") != settings:
+        if record is None or settings_difference(record.get("settings"), settings):
             raise TrainError(f"{out} already holds a different head; choose another --out")
     if args.draft_vocab_size > vocab or args.draft_vocab_size < 1:
         raise TrainError(f"draft vocab size {args.draft_vocab_size} must be in [1, {vocab}] (the target's "
@@ -605,39 +834,55 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise TrainError(f"the engine cannot serve this target: {exc}") from None
     eos = eos_ids(target, tokenizer)
+    if not eos:
+        raise TrainError(f"the target {args.model_path} has no end-of-turn token (no eos_token_id in its generation "
+                         "config or tokenizer); training needs one to end the answers")
+    if init_head is None:
+        check_head_config(target, args.draft_vocab_size, args.intermediate_size)
+    manifest = data_manifest(args, aux)
+    if work.is_dir():
+        check_work_folder(work, manifest)
+    prompts_file = work / "prompts.json"
+    prompts = None
+    if args.prompts and not prompts_file.exists():  # a file without usable prompts creates no folders
+        prompts = select_prompts(read_prompt_file(Path(args.prompts)), args)
+    for folder in (out, work):  # now, rather than when the trained head is written
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TrainError(f"cannot create the folder {folder}: {exc.strerror or exc}") from None
+    write_text_atomic(work / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     started = time.time()
 
-    prompts_file = work / "prompts.json"
     if not prompts_file.exists():
-        if args.prompts:
-            prompts = read_prompt_file(Path(args.prompts))
-        else:
-            prompts = self_written_prompts(target, tokenizer, args.num_prompts, eos, args.seed,
-                                           args.gen_batch_size)
-        prompts, dropped = drop_evaluation_prompts(prompts, evaluation_prompts(args.exclude))
-        print(f"prompts: {len(prompts)} usable, {dropped} dropped because they appear in an evaluation set",
-              file=sys.stderr)
-        random.Random(args.seed).shuffle(prompts)
-        prompts = prompts[:args.num_prompts]
-        if not prompts:
-            raise TrainError("no usable prompts (empty file, or every prompt is in an evaluation set)")
-        if len(prompts) < args.num_prompts:
-            print(f"prompts: --num-prompts {args.num_prompts} asked for more than the {len(prompts)} usable; "
-                  f"training on {len(prompts)}", file=sys.stderr)
-        prompts_file.write_text(json.dumps(prompts))
+        if prompts is None:
+            prompts = select_prompts(self_written_prompts(target, tokenizer, args.num_prompts, eos, args.seed,
+                                                          args.gen_batch_size), args)
+        write_text_atomic(prompts_file, json.dumps(prompts))
     prompts = json.loads(prompts_file.read_text())
 
     generate_examples(target, tokenizer, prompts, work, args.max_new_tokens, args.gen_batch_size,
                       args.shard_size, eos, args.max_prompt_tokens)
     examples = load_examples(work)
+    if not examples:
+        raise TrainError(f"no examples: every prompt is longer than --max-prompt-tokens {args.max_prompt_tokens} "
+                         "once rendered with the chat template")
     response_tokens = sum(int(e["loss_mask"].sum()) for e in examples)
     print(f"examples: {len(examples)}, assistant tokens: {response_tokens}", file=sys.stderr)
 
-    feature_target = target  # features in the serving dtype: the head sees the same at inference
-    compute_features(feature_target, examples, aux, work, args.shard_size)
     held = held_out_indices(len(examples), args.holdout, args.seed)
     excluded = frozenset(held)
     train_examples = [e for i, e in enumerate(examples) if i not in excluded]
+    if args.epochs > 0:  # what --max-seq keeps of each training example
+        empty = sum(not bool(e["loss_mask"][:args.max_seq].any()) for e in train_examples)
+        if empty == len(train_examples):
+            raise TrainError(f"no assistant tokens within --max-seq {args.max_seq} of any training example (the "
+                             "prompts are longer); raise --max-seq")
+        if empty:
+            print(f"warning: {empty} of {len(train_examples)} training examples have no assistant token within "
+                  f"--max-seq {args.max_seq} and are not trained on", file=sys.stderr)
+    feature_target = target  # features in the serving dtype: the head sees the same at inference
+    compute_features(feature_target, examples, aux, work, args.shard_size)
     if init_head is not None:
         head = init_head
         coverage = vocab_coverage(train_examples, head.t2d)
@@ -655,11 +900,12 @@ def run(args: argparse.Namespace) -> int:
     if result["stopped"]:
         print(f"stopped after {args.max_updates} updates; rerun the same command to continue", file=sys.stderr)
         return 0
-    if record is not None and not result["history"]:
-        print(f"{out} already holds the head these settings train; nothing to do", file=sys.stderr)
+    if record is not None and not result["trained_epochs"]:
+        print(f"{out} already holds this run's head after {result['epochs_done']} epoch(s), which --epochs "
+              f"{args.epochs} does not exceed; nothing to do (more --epochs continue it)", file=sys.stderr)
         return 0
     first = result["history"][0]["epoch"] if result["history"] else 1
-    if record is not None and first > 1:  # resumed (e.g. more --epochs): keep the epochs trained before
+    if record is not None and first > 1:  # resumed without the history (older checkpoint): keep the record's
         result["history"] = [h for h in record.get("history", []) if h["epoch"] < first] + result["history"]
     held_acc = []
     if held:
@@ -674,9 +920,9 @@ def run(args: argparse.Namespace) -> int:
     save_head(head.to(torch.float32), out)
     summary = {"settings": settings, "examples": len(examples), "assistant_tokens": response_tokens,
                "draft_vocab_coverage": round(coverage, 4), "heldout_acc": [round(a, 4) for a in held_acc],
-               "heldout_examples": held,
-               "wall_time_s": round(time.time() - started, 1), **result}
-    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+               "heldout_examples": held, "wall_time_s": round(time.time() - started, 1),
+               "history": result["history"], "stopped": result["stopped"]}
+    write_text_atomic(out / "training.json", json.dumps(summary, indent=2) + "\n")
     print(f"head written to {out}", file=sys.stderr)
     return 0
 

@@ -1,6 +1,8 @@
 """Training an EAGLE-3 head: data, loss mask, draft vocabulary, training-time test, resume, CLI errors."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,3 +264,243 @@ def test_cli_trains_a_head_and_continues_from_it(tiny_model_dir, tmp_path, capsy
     assert "was written by a run with other settings" in err
     assert "differs from the draft vocabulary of --init-head (30)" in err and "--init-head: no EAGLE-3 head" in err
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ reviewed defects (one test per fix)
+
+def _argv(tiny_model_dir, tmp_path, out, *extra, model=None):
+    prompts = tmp_path / "prompts.txt"
+    if not prompts.exists():
+        prompts.write_text("\n".join(f"Tell me about item {i}." for i in range(10)) + "\n")
+    return ["--model-path", str(model or tiny_model_dir / "target"), "--out", str(out), "--prompts", str(prompts),
+            "--num-prompts", "10", "--max-new-tokens", "8", "--gen-batch-size", "5", "--shard-size", "4",
+            "--holdout", "2", "--batch-tokens", "64", "--dtype", "float32", "--draft-vocab-size", "30", *extra]
+
+
+def test_prompt_file_format_is_decided_robustly(tmp_path, capsys):
+    good = json.dumps({"conversations": [{"from": "human", "value": "Q1"}, {"from": "gpt", "value": "A1"}]})
+    cases = {
+        "cut.jsonl": (good + "\n" + good[:30] + "\n{bad json}\n", ["Q1"], 2),  # truncated lines are not prompts
+        "bom.jsonl": ("\ufeff" + good + "\n" + good.replace("Q1", "Q2") + "\n", ["Q1", "Q2"], 0),
+        "bom.json": ("\ufeff[" + good + "]", ["Q1"], 0),
+        "pretty.json": (json.dumps(json.loads(good), indent=2), ["Q1"], 0),  # one object over many lines
+        "scalars.jsonl": ('42\n"a json string"\n[1]\n' + json.dumps({"messages": [{"role": "user", "content": "M"}]}),
+                          ["a json string", "M"], 2),
+        "unusable.jsonl": ('{"conversations": []}\n{"conversations": [{"from": "gpt", "value": "x"}]}\n', [], 2),
+        "lyrics.txt": ("[Verse 1] write me a song about rain\n{not json} either\n",
+                       ["[Verse 1] write me a song about rain", "{not json} either"], 0),
+        "lines.txt": (good + "\n" + good[:20] + "\n", ["Q1"], 1),  # JSON lines without the extension
+    }
+    for name, (text, expected, skipped) in cases.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        assert train.read_prompt_file(tmp_path / name) == expected, name
+        err = capsys.readouterr().err
+        assert (f"skipped {skipped} of" in err) if skipped else "skipped" not in err, (name, err)
+
+
+def test_a_prompt_file_without_usable_prompts_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"conversations": [{"from": "human", "value": "cut\n42\n')
+    out = tmp_path / "h"
+    argv = _argv(tiny_model_dir, tmp_path, out)
+    argv[argv.index("--prompts") + 1] = str(tmp_path / "bad.jsonl")
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "skipped 2 of 2 records" in err and "no usable prompts" in err and "Traceback" not in err
+    assert not out.exists() and not (tmp_path / "h.work").exists()
+
+
+def test_too_long_prompts_are_skipped_not_cut(tiny, tmp_path, capsys):
+    target, tokenizer = tiny
+    short = ["Say hi.", "Name a color."]
+    train.generate_examples(target, tokenizer, short + ["x" * 100], tmp_path, 6, batch_size=4, shard_size=8, eos=[2],
+                            max_prompt_tokens=60)
+    assert "skipped 1 of 3 prompts longer than --max-prompt-tokens 60" in capsys.readouterr().err
+    examples = train.load_examples(tmp_path)
+    assert len(examples) == 2
+    for ex in examples:  # the whole rendered prompt, assistant header included; the mask only the answer
+        start = int(ex["loss_mask"].nonzero()[0])
+        assert any(ex["input_ids"][:start].tolist() == chat_template_ids(tokenizer, [{"role": "user", "content": p}])
+                   for p in short)
+        assert tokenizer.decode(ex["input_ids"][:start].tolist()).endswith("assistant\n")
+
+
+def test_work_folder_manifest_refuses_data_of_other_settings(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "a"
+    assert train.main(_argv(tiny_model_dir, tmp_path, out, "--epochs", "0")) == 0
+    manifest = json.loads((tmp_path / "a.work" / "manifest.json").read_text())
+    assert manifest["max_new_tokens"] == 8 and manifest["shard_size"] == 4 and manifest["dtype"] == "float32"
+    capsys.readouterr()
+    work = ["--work-dir", str(tmp_path / "a.work")]
+    for flag, value, message in [("--max-new-tokens", "9", "--max-new-tokens: 8 then, 9 now"),
+                                 ("--shard-size", "3", "--shard-size: 4 then, 3 now"),  # was an IndexError
+                                 ("--dtype", "bfloat16", "--dtype: 'float32' then, 'bfloat16' now"),
+                                 ("--num-prompts", "5", "--num-prompts: 10 then, 5 now")]:
+        argv = _argv(tiny_model_dir, tmp_path, tmp_path / "b", "--epochs", "0", *work)
+        argv[argv.index(flag) + 1] = value
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "holds data made with other settings" in err and message in err and "Traceback" not in err, err
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "b", "--epochs", "0", "--exclude",
+                            str(tmp_path / "prompts.txt"), *work)) == 2
+    assert "--exclude: [] then" in capsys.readouterr().err
+    # A folder written before the manifest existed is accepted, and gets one.
+    (tmp_path / "a.work" / "manifest.json").unlink()
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "c", "--epochs", "0", *work)) == 0
+    assert "no manifest.json" in capsys.readouterr().err
+    assert json.loads((tmp_path / "a.work" / "manifest.json").read_text()) == manifest
+    # The same run with relative paths, from another directory, is the same run (work folder and out record).
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    monkeypatch.chdir(sub)
+    rel = ["--model-path", os.path.relpath(tiny_model_dir / "target"), "--prompts", "../prompts.txt",
+           "--out", "../a"]
+    argv = _argv(tiny_model_dir, tmp_path, out, "--epochs", "0")
+    for i in range(0, len(rel), 2):
+        argv[argv.index(rel[i]) + 1] = rel[i + 1]
+    assert train.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "nothing to do" in err and "other settings" not in err and "different head" not in err, err
+
+
+def test_evaluation_sets_are_found_from_any_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # outside the repository
+    banned = train.evaluation_prompts([])
+    err = capsys.readouterr().err
+    assert "mt_bench, alpaca, gsm8k, humaneval found" in err and "NOT found" not in err
+    gsm8k = train._package_data_roots()[0] / "gsm8k" / "question.jsonl"
+    assert train._normalise(json.loads(gsm8k.read_text().splitlines()[0])["turns"][0]) in banned
+    # Sets that cannot be found are named, not skipped silently.
+    monkeypatch.setattr(train, "_package_data_roots", lambda: [])
+    monkeypatch.delenv("EAGLE_DROPMATCH_DATA", raising=False)
+    monkeypatch.setenv("EAGLE_DROPMATCH_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "data" / "mt_bench").mkdir(parents=True)
+    (tmp_path / "cache" / "data" / "mt_bench" / "question.jsonl").write_text(
+        json.dumps({"question_id": 1, "category": "x", "turns": ["Only question"]}) + "\n")
+    assert train.evaluation_prompts([]) == {"only question"}
+    assert "mt_bench found; NOT found (not excluded): alpaca, gsm8k, humaneval" in capsys.readouterr().err
+
+
+def test_head_config_for_gpt2_falcon_and_opt_targets(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from transformers import FalconConfig, GPT2Config, GPT2LMHeadModel, OPTConfig
+    from eagle_dropmatch.head import head_config_for_target
+    assert head_config_for_target(GPT2Config(n_embd=32, n_head=4)).intermediate_size == 128
+    assert head_config_for_target(GPT2Config(n_embd=32, n_head=4, n_inner=48)).intermediate_size == 48
+    assert head_config_for_target(FalconConfig(hidden_size=32, num_attention_heads=4,
+                                               ffn_hidden_size=80)).intermediate_size == 80
+    assert head_config_for_target(OPTConfig(hidden_size=32, num_attention_heads=4, ffn_dim=96)).intermediate_size == 96
+    # A GPT-2 target trains end to end.
+    vocab = len(SPECIALS) + len(CHARS) + 4
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=8, n_head=4, n_positions=256,
+                                      bos_token_id=1, eos_token_id=2)).eval()
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    write_char_tokenizer(tmp_path / "gpt2", vocab)
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "g", "--epochs", "1", model=tmp_path / "gpt2")) == 0
+    assert load_head(tmp_path / "g", gpt2.get_input_embeddings()).cfg.intermediate_size == 128
+    # A config the head cannot follow fails before any response is generated.
+    import eagle_dropmatch.head as head_module
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'XConfig' object has no attribute 'intermediate_size'")
+    monkeypatch.setattr(head_module, "head_config_for_target", broken)
+    monkeypatch.setattr(train, "generate_examples", lambda *a, **k: pytest.fail("generated before the check"))
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "x", "--epochs", "1")) == 2
+    err = capsys.readouterr().err
+    assert "cannot build a head for this target: AttributeError" in err and "Traceback" not in err
+    assert not (tmp_path / "x.work").exists()
+
+
+def test_a_target_without_eos_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoTokenizer
+    vocab = len(SPECIALS) + len(CHARS) + 4
+    target = tiny_target(vocab=vocab)
+    target.config.eos_token_id = None
+    target.generation_config.eos_token_id = None
+    target.save_pretrained(tmp_path / "noeos")
+    write_char_tokenizer(tmp_path / "noeos", vocab)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "noeos")
+    tok.eos_token = None
+    tok.save_pretrained(tmp_path / "noeos")
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "h", model=tmp_path / "noeos")) == 2
+    err = capsys.readouterr().err
+    assert "has no end-of-turn token" in err and "Traceback" not in err, err
+
+
+def test_one_epoch_updates_when_the_epoch_ends_on_a_held_out_example(tiny, tmp_path):
+    target, tokenizer = tiny
+    examples = examples_for(target, tokenizer, tmp_path, [f"Question {i}?" for i in range(16)])
+    aux = [2, 4, 5]
+    train.compute_features(target, examples, aux, tmp_path, shard_size=8)
+    draft_ids, _ = train.build_draft_vocab(examples, 40, target.config.vocab_size)
+    head = train.init_head_for_target(target, draft_ids, aux, seed=0)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    last = train.shuffled_by_shard(len(examples), 8, seed=0)[-1]  # the epoch's last example is held out
+    result = train.train_head(head, target, examples, tmp_path, epochs=1, lr=3e-3, steps=3, batch_tokens=10 ** 6,
+                              seed=0, checkpoint_every=1000, shard_size=8, max_seq=256, autocast=False,
+                              log=lambda m: None, exclude=frozenset({last}))
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["state"]["updates"] == 1
+    assert not torch.equal(head.fc.weight, before["fc.weight"]) and result["trained_epochs"] == 1
+
+
+def test_resume_keeps_the_history_and_the_running_accuracy(tiny, tmp_path):
+    target, tokenizer = tiny
+    examples = examples_for(target, tokenizer, tmp_path, [f"Question {i}?" for i in range(16)])
+    for sub in ("full", "split"):
+        (tmp_path / sub).mkdir()
+        for f in tmp_path.glob("responses_*.pt"):
+            (tmp_path / sub / f.name).write_bytes(f.read_bytes())
+    _, full = _train(target, examples, tmp_path / "full", batch_tokens=64)
+    updates = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["state"]["updates"]
+    _, part = _train(target, examples, tmp_path / "split", batch_tokens=64, max_updates=1)  # inside epoch 1
+    assert part["stopped"] and part["history"] == []
+    _, part = _train(target, examples, tmp_path / "split", batch_tokens=64, max_updates=updates - 1)  # epoch 2
+    assert part["stopped"] and [h["epoch"] for h in part["history"]] == [1]
+    _, resumed = _train(target, examples, tmp_path / "split", batch_tokens=64)
+    assert resumed["history"] == full["history"] and len(full["history"]) == 2
+
+
+def test_max_updates_zero_is_refused(tiny_model_dir, tmp_path, capsys):
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "h", "--max-updates", "0")) == 2
+    err = capsys.readouterr().err
+    assert "max-updates must be >= 1, got 0" in err and not (tmp_path / "h").exists()
+
+
+def test_rejected_inputs_leave_no_folders_and_messages_are_accurate(tiny_model_dir, tmp_path, capsys):
+    for extra, message in [(["--draft-vocab-size", "100000"], "draft vocab size 100000"),
+                           (["--model-path", str(tmp_path / "nowhere")], "the folder does not exist")]:
+        argv = _argv(tiny_model_dir, tmp_path, tmp_path / "h")
+        argv[argv.index(extra[0]) + 1] = extra[1]
+        assert train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Repo id" not in err, err
+        assert not (tmp_path / "h").exists() and not (tmp_path / "h.work").exists()
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "s", "--max-seq", "5")) == 2
+    assert "no assistant tokens within --max-seq 5" in capsys.readouterr().err
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "h", "--epochs", "1")) == 0
+    capsys.readouterr()
+    assert train.main(_argv(tiny_model_dir, tmp_path, tmp_path / "h", "--epochs", "0")) == 0
+    err = capsys.readouterr().err
+    assert "after 1 epoch(s), which --epochs 0 does not exceed; nothing to do" in err
+    assert "the head these settings train" not in err
+
+
+def test_an_interrupted_shard_write_leaves_no_cut_file(tiny, tmp_path, monkeypatch):
+    target, tokenizer = tiny
+    real_save = torch.save
+
+    def killed_save(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"PK\x03\x04 cut short")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, "save", killed_save)
+    with pytest.raises(KeyboardInterrupt):
+        examples_for(target, tokenizer, tmp_path, ["Say hi.", "Count to three!"])
+    assert not list(tmp_path.glob("responses_*.pt"))
+    monkeypatch.setattr(torch, "save", real_save)
+    examples = examples_for(target, tokenizer, tmp_path, ["Say hi.", "Count to three!"])
+    monkeypatch.setattr(torch, "save", killed_save)
+    with pytest.raises(KeyboardInterrupt):
+        train.compute_features(target, examples, [2, 4, 5], tmp_path, shard_size=8)
+    assert not list(tmp_path.glob("features_*.pt"))
+    monkeypatch.setattr(torch, "save", real_save)
+    train.compute_features(target, examples, [2, 4, 5], tmp_path, shard_size=8)
+    assert len(torch.load(tmp_path / "features_00000.pt", weights_only=True)) == 2
