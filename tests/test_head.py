@@ -338,17 +338,6 @@ def test_a_scaled_rope_is_the_targets_own():
     assert yarn.rope_scale > 1.0 and torch.allclose(cos, torch.full_like(cos, yarn.rope_scale))
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"rope_scaling": "linear"}, "rope_scaling is 'linear', expected an object"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
-    ({"norm_before_fc": True}, "norm_before_fc is set"),
-])
-def test_config_fields_the_head_cannot_honour_are_refused(target, tmp_path, changes, message):
-    folder = _saved_config(tmp_path, target, **changes)
-    with pytest.raises(LoadError, match=message):
-        attach_head(target, folder, torch.float32)
-
-
 def test_a_null_eagle_config_is_no_config(target, tmp_path):
     folder = _saved_config(tmp_path, target)
     cfg = json.loads((folder / "config.json").read_text()) | {"eagle_config": None}
@@ -390,13 +379,17 @@ def test_norm_before_residual_adds_the_normed_hidden_state(target):
 
 
 @pytest.mark.parametrize("changes,message", [
+    ({"rope_scaling": "linear"}, "rope_scaling is 'linear', expected an object"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "RoPE scaling 'dynamic' is not supported"),
+    ({"norm_before_fc": True}, "norm_before_fc is set"),
     ({"hidden_size": "64"}, "hidden_size is '64', expected a positive integer"),
     ({"draft_vocab_size": 0}, "draft_vocab_size is 0, expected a positive integer"),
     ({"rms_norm_eps": -1.0}, "rms_norm_eps is -1.0, expected a positive number"),
     ({"eagle_aux_hidden_state_layer_ids": "abc"}, "eagle_aux_hidden_state_layer_ids is 'abc', expected a list"),
     ({"eagle_aux_hidden_state_layer_ids": [2, "4", 5]}, "expected a list of layer numbers"),
 ])
-def test_a_malformed_config_value_is_one_line_naming_it(target, tmp_path, changes, message):
+def test_a_config_value_the_head_cannot_honour_is_one_line_naming_it(target, tmp_path, changes, message):
+    """Malformed values, and fields that change the head's arithmetic in a way it does not implement."""
     folder = _saved_config(tmp_path, target, **changes)
     with pytest.raises(LoadError, match=message):
         attach_head(target, folder, torch.float32)
