@@ -21,10 +21,14 @@ import uuid
 from pathlib import Path
 
 #: settings that must match for a resumed run to continue an answer file.
-RUN_KEYS = ("method", "model_path", "ea_model_path", "draft_model_path", "dtype", "total_token", "depth",
-            "top_k", "draft_length", "temperature", "top_p", "sample_top_k", "dropmatch_k", "dropout_p",
-            "dropmatch_protect", "dropmatch_rule", "dropmatch_shortlist", "seed", "max_new_tokens",
-            "conv_template", "system_prompt", "rule_top_k")
+RUN_KEYS = ("method", "model_id", "model_path", "ea_model_path", "draft_model_path", "bench", "question_file",
+            "dtype", "total_token", "depth", "top_k", "draft_length", "temperature", "top_p", "sample_top_k",
+            "dropmatch_k", "dropout_p", "dropmatch_protect", "dropmatch_rule", "dropmatch_shortlist", "seed",
+            "max_new_tokens", "conv_template", "system_prompt", "rule_top_k")
+#: the RUN_KEYS that are folders or files: recorded resolved, compared as the same place however spelled.
+PATH_KEYS = ("model_path", "ea_model_path", "draft_model_path", "question_file")
+#: the RUN_KEYS that older versions of this command did not compare: a meta that lacks one is not refused.
+LATER_KEYS = ("model_id", "bench", "question_file")
 
 
 class UsageError(Exception):
@@ -128,7 +132,8 @@ def check_args(args: argparse.Namespace) -> None:
                            top_p=args.top_p, sample_top_k=args.sample_top_k, dropmatch_k=args.dropmatch_k,
                            dropout_p=args.dropout_p, dropmatch_protect=args.dropmatch_protect,
                            dropmatch_rule=args.dropmatch_rule, rule_top_k=args.rule_top_k,
-                           dropmatch_shortlist=args.dropmatch_shortlist, dropmatch_rows=args.dropmatch_rows)
+                           dropmatch_shortlist=args.dropmatch_shortlist, dropmatch_rows=args.dropmatch_rows,
+                           seed=args.seed)
     except LoadError as exc:
         raise UsageError(str(exc)) from None
     if args.warmup < 0:
@@ -186,14 +191,28 @@ def _number_or_text(value: str):
     return int(number) if number.is_integer() and "." not in value else number
 
 
+def resolved_path(value) -> str | None:
+    """A path setting as recorded and compared: absolute with links resolved where it exists on disk (the same
+    folder given relative, absolute or with a trailing slash is one), else as given (e.g. a hub id)."""
+    if value is None:
+        return None
+    path = Path(str(value)).expanduser()
+    try:
+        return str(path.resolve()) if path.exists() else str(value)
+    except OSError:  # a path that cannot be resolved (a loop of links): as given
+        return str(value)
+
+
 def run_settings(args: argparse.Namespace, model_id: str) -> dict:
-    """The meta record. A draft-model run is a chain: total_token L + 1, depth L, top_k 1."""
+    """The meta record. A draft-model run is a chain: total_token L + 1, depth L, top_k 1. Paths are
+    recorded resolved (``resolved_path``)."""
     sd = method_of(args) == "sd"
     length = args.draft_length
     return {
         "method": method_of(args),
-        "model_id": model_id, "model_path": args.model_path, "ea_model_path": args.ea_model_path,
-        "draft_model_path": args.draft_model_path, "bench": args.bench, "question_file": str(args.question_file),
+        "model_id": model_id, "model_path": resolved_path(args.model_path),
+        "ea_model_path": resolved_path(args.ea_model_path), "draft_model_path": resolved_path(args.draft_model_path),
+        "bench": args.bench, "question_file": resolved_path(args.question_file),
         "dtype": args.dtype, "device": args.device, "total_token": length + 1 if sd else args.total_token,
         "depth": length if sd else args.depth, "top_k": 1 if sd else args.top_k,
         "draft_length": length if sd else None, "temperature": args.temperature, "top_p": args.top_p,
@@ -209,42 +228,133 @@ def run_settings(args: argparse.Namespace, model_id: str) -> dict:
     }
 
 
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
+
+
+def read_meta(meta_path: Path) -> dict:
+    """The settings recorded beside an answer file (UsageError, in one line, when they cannot be read)."""
+    try:
+        text = meta_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read {meta_path}: {_reason(exc)}; choose another --answer-file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{meta_path} is not UTF-8 text; choose another --answer-file") from None
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError:
+        raise UsageError(f"{meta_path} is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{meta_path} holds a JSON {type(meta).__name__}, not the run's settings (an object); "
+                         "choose another --answer-file")
+    return meta
+
+
+def settings_differ(previous: dict, settings: dict) -> list[str]:
+    """The RUN_KEYS on which a recorded meta and this run differ, as "key: recorded != now". Paths compare
+    resolved; a key added to RUN_KEYS later (LATER_KEYS) that an older meta lacks is not a difference."""
+    differs = []
+    for key in RUN_KEYS:
+        if key in LATER_KEYS and key not in previous:
+            continue
+        before, now = previous.get(key), settings.get(key)
+        if key in PATH_KEYS:
+            before, now = resolved_path(before), resolved_path(now)
+        if before != now:
+            differs.append(f"{key}: {previous.get(key)!r} != {settings.get(key)!r}")
+    return differs
+
+
+def answered_ids(path: Path) -> set:
+    """The question ids answered in an answer file, read without changing it. A line that is not JSON (cut by
+    an interruption) is answered again; a line that is JSON but not an answer, or not UTF-8, is a UsageError
+    naming the file and line (except a last line without its newline: that is a cut line)."""
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {_reason(exc)}; choose another --answer-file") from None
+    lines = content.split(b"\n")
+    done: set = set()
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        last = lineno == len(lines)  # no newline after it: maybe cut short, removed by end_last_line
+        advice = "fix or remove that line, or choose another --answer-file"
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            if last:
+                continue
+            raise UsageError(f"{path}:{lineno}: not UTF-8 text; {advice}") from None
+        except json.JSONDecodeError:
+            continue  # a line cut by an interruption is answered again
+        if not isinstance(record, dict):
+            raise UsageError(f"{path}:{lineno}: a JSON {type(record).__name__}, not an answer (an object); {advice}")
+        qid = record.get("question_id")
+        if qid is None:
+            continue
+        if isinstance(qid, bool) or not isinstance(qid, (int, str)):
+            raise UsageError(f"{path}:{lineno}: question_id must be an integer or a string, got "
+                             f"{json.dumps(qid)}; {advice}")
+        done.add(qid)
+    return done
+
+
 def prepare_answer_file(path: Path, settings: dict) -> set:
-    """Check an existing answer file belongs to this run; return the question ids already answered."""
+    """Check an existing answer file belongs to this run; return the question ids already answered.
+
+    Everything is checked before anything is written: an answer file of another configuration, an unreadable
+    meta or answer line, or a place that cannot be written is a UsageError and leaves the files as they were.
+    A resumed meta keeps what it records (its run's device, kernels, ...) and gains only the keys it lacks."""
     from .resources import end_last_line
     meta_path = Path(f"{path}.meta.json")
+    try:
+        if path.is_dir():
+            raise UsageError(f"--answer-file {path} is a directory; name a .jsonl file")
+        blocking = next((folder for folder in path.parents if folder.exists() and not folder.is_dir()), None)
+        if blocking is not None:
+            raise UsageError(f"cannot write the answers to {path}: {blocking} is a file, not a folder; choose "
+                             "another --answer-file")
+        resuming = path.exists() and path.stat().st_size > 0
+    except OSError as exc:  # e.g. a folder on the way that cannot be searched
+        raise UsageError(f"cannot use --answer-file {path}: {_reason(exc)}") from None
     done: set = set()
-    if path.exists() and path.stat().st_size > 0:
+    previous = None
+    if resuming:
         if not meta_path.exists():
             raise UsageError(f"{path} exists without {meta_path.name}; it may come from another run: "
                              "choose another --answer-file")
-        try:
-            previous = json.loads(meta_path.read_text())
-        except json.JSONDecodeError:
-            raise UsageError(f"{meta_path} is not valid JSON") from None
-        differs = [f"{k}: {previous.get(k)!r} != {settings.get(k)!r}" for k in RUN_KEYS
-                   if previous.get(k) != settings.get(k)]
+        previous = read_meta(meta_path)
+        differs = settings_differ(previous, settings)
         if differs:
             raise UsageError(f"{path} was written by a different run configuration ({'; '.join(differs)}); "
                              "choose another --answer-file")
+        done = answered_ids(path)
+    meta = settings if previous is None else {**settings, **previous}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if meta != previous:
+            meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+        with path.open("a"):  # the answers can be appended: known before any model is loaded
+            pass
         cut = end_last_line(path)
-        if cut:
-            print(f"{path}: removed a last line cut short by an interruption ({cut} bytes); its question is "
-                  "answered again", file=sys.stderr)
-        with path.open() as f:
-            for line in f:
-                try:
-                    done.add(json.loads(line)["question_id"])
-                except (json.JSONDecodeError, KeyError):
-                    continue  # a line cut by an interruption is answered again
-    path.parent.mkdir(parents=True, exist_ok=True)
-    meta_path.write_text(json.dumps(settings, indent=2) + "\n")
+    except OSError as exc:
+        where = exc.filename or path
+        raise UsageError(f"cannot write the answers to {path} ({where}: {_reason(exc)}); choose another "
+                         "--answer-file") from None
+    if cut:
+        print(f"{path}: removed a last line cut short by an interruption ({cut} bytes); its question is "
+              "answered again", file=sys.stderr)
     return done
 
 
 def prompt_ids(model, messages: list[dict], args: argparse.Namespace, question_id):
     """Prompt ids of a conversation, checked against the model's context."""
-    ids = render_prompt(model, messages, args)
+    from .loading import LoadError
+    try:
+        ids = render_prompt(model, messages, args)
+    except LoadError as exc:  # a chat template that raises
+        raise UsageError(f"question {question_id}: {exc}") from None
     if len(ids) >= model.decoder.max_positions:
         turn = sum(m["role"] == "user" for m in messages)
         earlier = f" (turn {turn}, after the earlier turns and their answers)" if turn > 1 else ""
@@ -340,6 +450,12 @@ def run(args: argparse.Namespace) -> int:
                      require_head=method_of(args) == "eagle3", cpu_prepack=args.cpu_prepack)
     except LoadError as exc:
         raise UsageError(str(exc)) from None
+    if method_of(args) == "eagle3":
+        from .loading import check_top_k
+        try:
+            check_top_k(model.head, args.top_k)
+        except LoadError as exc:
+            raise UsageError(str(exc)) from None
     print(f"{len(questions)} questions, {len(done)} already answered in {answer_file}, {len(todo)} to go",
           file=sys.stderr)
     if todo and args.warmup:

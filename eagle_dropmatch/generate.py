@@ -135,6 +135,19 @@ def _new_generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def first_nodes(tree: DraftTree, n: int) -> DraftTree:
+    """The tree's first ``n`` nodes (depth-major, so closed under parents: a smaller tree of the same
+    drafts), for the last rounds before the target's context is full."""
+    if len(tree) <= n:
+        return tree
+    parents = tree.parents[:n]
+    has_children = torch.zeros(n, dtype=torch.bool, device=parents.device)
+    has_children[parents[1:]] = True
+    return dataclasses.replace(tree, tokens=tree.tokens[:n], parents=parents, depths=tree.depths[:n],
+                               ancestors=tree.ancestors[:n, :n], has_children=has_children,
+                               draft_probs=None if tree.draft_probs is None else tree.draft_probs[:n])
+
+
 class SpeculativeDecoder:
     """Tree speculative decoding (optionally with DropMatch) over an unmodified HF causal LM.
 
@@ -347,10 +360,18 @@ class SpeculativeDecoder:
         dm_gen = _new_generator(self.device, cfg.seed + 2) if dm.active else None
         tally = AgreementTally()  # agreement statistics, counted once at the end
 
-        while not done and prefix + drafter.max_nodes <= self.max_positions:
+        # The root sits at position ``prefix`` and a tree of N nodes reaches at most position prefix + N - 1; its
+        # bonus token lands at most at prefix + N. Plain decoding ends with a token at position
+        # max_positions - 1, so a round may verify max_positions - 1 - prefix nodes: near the end of the
+        # context the tree is cut to its first nodes (down to the root alone, a plain decoding step), and the
+        # turn ends where plain decoding's would, with the same tokens at T = 0.
+        while not done and prefix < self.max_positions - 1:
+            room = self.max_positions - 1 - prefix  # nodes this round may verify
             # 1. Draft a tree of N nodes, root first, depth-major.
             with timer.section("draft"):
                 tree = drafter.propose(prefix).to(self.device)
+                if len(tree) > room:
+                    tree = first_nodes(tree, room)
             # 2. Verify: one target forward over the N nodes on top of the committed cache.
             with timer.section("target"):
                 hidden, features = target_forward(

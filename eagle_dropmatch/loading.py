@@ -15,6 +15,7 @@ Standard speculative decoding with a separate draft model that shares the target
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +33,8 @@ from .tree_attention import NATIVE_GQA_SDPA, use_native_gqa
 from .verify import cache_argument, check_forward_arguments, check_layer_types, check_tree_verification
 
 RULE_NAMES = ("match", "js", "topk")
+#: the largest seed: the engine seeds torch generators with seed, seed + 1 and seed + 2 (< 2**64).
+MAX_SEED = 2 ** 64 - 3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUNDLED_HEADS_DIR = Path(__file__).parent / "heads"
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
@@ -73,6 +76,8 @@ def check_device(device: str) -> None:
     if backend is None:
         if where.type != "cpu":
             raise LoadError(f"device {device!r}: this torch has no {where.type} backend")
+        if where.index not in (None, 0):  # torch takes any index and ignores it: one CPU device
+            raise LoadError(f"device {device!r}: the CPU is one device (cpu or cpu:0); use --device cpu")
         return
     available = getattr(backend, "is_available", lambda: True)()
     if not available:
@@ -92,20 +97,38 @@ def load_target(model_path: str | Path, dtype: torch.dtype, device: str, role: s
         device: "cpu", "cuda", "cuda:1", ... or "auto" (accelerate's device_map over all GPUs).
         role: "target" or "draft model" (for error messages).
     """
+    import pickle
+
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     kwargs = {"dtype": dtype, "local_files_only": True}
     if device == "auto":
         kwargs["device_map"] = "auto"
+    # What a damaged or foreign folder raises: a missing or unreadable file (OSError), a bad config or
+    # tokenizer (ValueError, KeyError), truncated or corrupt weights (safetensors' SafetensorError, or for a
+    # pytorch_model.bin torch's RuntimeError, EOFError or pickle's UnpicklingError).
+    errors = (OSError, ValueError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError, RuntimeError)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    except errors as exc:
+        raise LoadError(f"cannot load the tokenizer of {role} {model_path}: {one_line(exc)}") from None
+    try:
         target = AutoModelForCausalLM.from_pretrained(str(model_path), **kwargs)
-    except (OSError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LoadError(f"cannot load {role} {model_path}: {first}") from None
+    except errors as exc:
+        raise LoadError(f"cannot load {role} {model_path}: {one_line(exc)}") from None
     if device != "auto":
         target.to(device)
     check_target(target)
     return target.eval(), tokenizer
+
+
+def one_line(exc: BaseException, limit: int = 400) -> str:
+    """An exception's message as one line: its lines joined (a message cut at its first line can end in the
+    middle of a sentence), at most ``limit`` characters; the exception's type name when it has no message."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if not text:
+        return type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
 def check_target(target) -> None:
@@ -120,8 +143,20 @@ def check_target(target) -> None:
 
 
 def chat_template_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Ids of a conversation rendered with the tokenizer's chat template, generation prompt appended."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    """Ids of a conversation rendered with the tokenizer's chat template, generation prompt appended.
+
+    Raises:
+        LoadError: the template fails on these messages (a template that raises, e.g. one that refuses a
+            system message, or one that does not parse), in one line.
+    """
+    from jinja2 import TemplateError
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    except TemplateError as exc:
+        roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
+        raise LoadError(f"the tokenizer's chat template fails on a conversation of roles {roles}: "
+                        f"{one_line(exc)}") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
@@ -247,6 +282,8 @@ class EagleModel:
         total_token, depth, top_k = default_tree(self.kernel).with_given(total_token, depth, top_k)
         check_tree_shape(total_token, depth, top_k)
         check_rule_shape(dm.rule, top_k)
+        check_top_k(self.head, top_k)
+        total_token = min(total_token, tree_capacity(depth, top_k))  # more nodes than D and K can draft
         return Eagle3Drafter(self.head, total_token, depth, top_k, draft_probs=dm.active and dm.rule == "js",
                              **sampling)
 
@@ -335,6 +372,21 @@ def check_tree_shape(total_token: int, depth: int, top_k: int) -> None:
             raise LoadError(f"{name} must be >= 1, got {value}")
 
 
+def tree_capacity(depth: int, top_k: int) -> int:
+    """The most nodes (root included) a tree of ``depth`` levels of ``top_k`` children per expanded node can
+    have: the root, its K children, then K x K candidates per further level (``tree.draft_tree``). A larger
+    total_token drafts this many: ``EagleModel.drafter`` clamps it, so that ``Drafter.max_nodes`` is true."""
+    return 1 + top_k + (depth - 1) * top_k * top_k
+
+
+def check_top_k(head: Eagle3Head | None, top_k: int) -> None:
+    """A tree's top_k children per node must be distinct tokens of the head's draft vocabulary."""
+    vocab = None if head is None else head.cfg.draft_vocab_size
+    if vocab is not None and top_k > vocab:
+        raise LoadError(f"top-k {top_k} is larger than the head's draft vocabulary of {vocab} tokens: "
+                        f"use top-k <= {vocab}")
+
+
 def check_draft_length(draft_length: int) -> None:
     if draft_length < 1:
         raise LoadError(f"draft-length must be >= 1, got {draft_length}")
@@ -392,9 +444,9 @@ def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: 
         raise LoadError(f"dropmatch-k must be >= 0, got {dropmatch_k}")
     p, auto_rate = parse_dropout_p(dropout_p)
     protect, auto_protect = parse_protect(dropmatch_protect)
-    if temperature < 0:
-        raise LoadError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise LoadError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
         raise LoadError(f"top-p must be in (0, 1], got {top_p}")
     if sample_top_k < 0:
         raise LoadError(f"sample-top-k must be >= 0, got {sample_top_k}")
@@ -402,6 +454,9 @@ def make_decode_config(*, max_new_tokens: int, temperature: float = 0.0, top_p: 
         raise LoadError(f"dropmatch-rule must be one of {', '.join(RULE_NAMES)}, got {dropmatch_rule!r}")
     if rule_top_k < 1:
         raise LoadError(f"rule-top-k must be >= 1, got {rule_top_k}")
+    if not 0 <= seed <= MAX_SEED:
+        raise LoadError(f"seed must be in [0, 2**64 - 3] (the engine seeds generators with seed, seed + 1 and "
+                        f"seed + 2), got {seed}")
     dm = DropMatchConfig(k=dropmatch_k, p=p, protect=protect, rule=dropmatch_rule, rule_top_k=rule_top_k,
                          auto_rate=auto_rate, auto_protect=auto_protect, shortlist=dropmatch_shortlist,
                          rows=dropmatch_rows)

@@ -313,6 +313,9 @@ def _question_problem(question: object, seen: set) -> str | None:
         return f"expected a JSON object, got {type(question).__name__}"
     if question.get("question_id") is None:
         return "missing question_id"
+    qid = question["question_id"]
+    if isinstance(qid, bool) or not isinstance(qid, (int, str)):  # a list or object is no id (nor hashable)
+        return f"question_id must be an integer or a string, got {json.dumps(qid)}"
     if question["question_id"] in seen:
         return f"duplicate question_id {question['question_id']!r}"
     turns = question.get("turns")

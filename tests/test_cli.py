@@ -305,3 +305,265 @@ def test_dropmatch_scores_contested_rows_by_default_on_the_packed_kernels(tiny_m
     model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3, dropmatch_rows="all")
     model.generate(prompt, max_new_tokens=8, dropmatch_k=5, dropout_p=0.3, dropmatch_shortlist=4)
     assert not calls
+
+
+# ------------------------------------------------------------------ bad input found in review (one line, files kept)
+
+def quick(capsys, d, answers, *extra):
+    """``run_gen`` over the tiny model without a warm-up; returns (exit status, stderr)."""
+    return run_gen(capsys, *base_args(d, answers, "--warmup", 0, *extra))
+
+
+def assert_one_error_line(code, err, *parts):
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1, err
+    assert all(part in errors[0] for part in parts), err
+
+
+def test_resuming_refuses_another_bench_question_file_or_model_id(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Question ids overlap across benches: an answer file of other questions (another --bench, another
+    --question-file) or another --model-id is refused, and its meta is left as it was; the same folders spelled
+    otherwise (relative, trailing slash) resume."""
+    d = tiny_model_dir
+    data = tmp_path / "data"
+    for bench in ("alpaca", "gsm8k"):
+        (data / bench).mkdir(parents=True)
+        (data / bench / "question.jsonl").write_text((d / "questions.jsonl").read_text())
+    answers = tmp_path / "a.jsonl"
+    meta_path = tmp_path / "a.jsonl.meta.json"
+    by_bench = ["--model-path", d / "target", "--ea-model-path", d / "head", "--data-dir", data,
+                "--answer-file", answers, "--warmup", 0, "--question-end", 1]
+    assert run_gen(capsys, *by_bench, "--bench", "alpaca")[0] == 0
+    kept = (answers.read_text(), meta_path.read_text())
+    code, err = run_gen(capsys, *by_bench, "--bench", "gsm8k")
+    assert_one_error_line(code, err, "different run configuration", "bench: 'alpaca' != 'gsm8k'", "question_file")
+    code, err = run_gen(capsys, *by_bench, "--bench", "alpaca", "--model-id", "other")
+    assert_one_error_line(code, err, "different run configuration", "model_id")
+    assert (answers.read_text(), meta_path.read_text()) == kept
+    other = _write(tmp_path, "other.jsonl", (d / "questions.jsonl").read_text())
+    answers2 = tmp_path / "b.jsonl"
+    assert quick(capsys, d, answers2, "--question-end", 1)[0] == 0
+    code, err = quick(capsys, d, answers2, "--question-file", other)
+    assert_one_error_line(code, err, "different run configuration", "question_file")
+    monkeypatch.chdir(d)  # the same folders, relative and with a trailing slash: resumed
+    code, err = run_gen(capsys, "--model-path", "target/", "--ea-model-path", "./head", "--question-file",
+                        "questions.jsonl", "--answer-file", answers2, "--warmup", 0, "--question-end", 2)
+    assert code == 0 and "1 already answered" in err, err
+
+
+def test_a_meta_of_an_earlier_version_resumes_and_keeps_its_keys(tiny_model_dir, tmp_path, capsys):
+    """A meta without the keys compared since (model_id, bench, question_file) resumes when the rest matches,
+    and a resume adds what the meta lacks without rewriting what it records."""
+    d = tiny_model_dir
+    answers = tmp_path / "a.jsonl"
+    meta_path = tmp_path / "a.jsonl.meta.json"
+    assert quick(capsys, d, answers, "--question-end", 1)[0] == 0
+    meta = json.loads(meta_path.read_text())
+    for key in ("model_id", "bench", "question_file"):
+        del meta[key]
+    meta["device"], meta["note"] = "cuda:0", "kept"  # another run's device and a key this version does not know
+    meta_path.write_text(json.dumps(meta))
+    code, err = quick(capsys, d, answers, "--question-end", 2)
+    assert code == 0 and "1 already answered" in err, err
+    after = json.loads(meta_path.read_text())
+    assert after["device"] == "cuda:0" and after["note"] == "kept"
+    assert after["question_file"] == str((d / "questions.jsonl").resolve()) and after["model_id"]
+
+
+@pytest.fixture(scope="module")
+def one_answer(tiny_model_dir, tmp_path_factory):
+    """The bytes of an answer file with question 0 and of its meta, as the tiny model's run writes them."""
+    answers = tmp_path_factory.mktemp("one") / "a.jsonl"
+    argv = [*map(str, base_args(tiny_model_dir, answers, "--question-end", 1)), "--warmup", "0", "--no-progress",
+            "--dtype", "float32", "--max-new-tokens", "12"]  # as run_gen
+    assert gen.main(argv) == 0
+    return answers.read_bytes(), (answers.parent / "a.jsonl.meta.json").read_bytes()
+
+
+@pytest.mark.parametrize("name,answer_tail,meta,parts", [
+    ("list-line", b"[1, 2]\n", None, ["a.jsonl:2:", "a JSON list, not an answer"]),
+    ("not-utf8-line", b"\xff\xfe{}\n", None, ["a.jsonl:2:", "not UTF-8"]),
+    ("list-id", b'{"question_id": [1, 2]}\n', None, ["a.jsonl:2:", "question_id must be an integer or a string"]),
+    ("list-meta", b"", b"[1, 2]", ["a.jsonl.meta.json", "a JSON list, not the run's settings"]),
+    ("not-utf8-meta", b"", b"\xff\xfe", ["a.jsonl.meta.json", "not UTF-8"]),
+    ("meta-is-a-folder", b"", "dir", ["a.jsonl.meta.json", "Is a directory"]),
+])
+def test_bad_answer_or_meta_files_are_one_line_and_left_unchanged(tiny_model_dir, tmp_path, capsys, one_answer,
+                                                                  name, answer_tail, meta, parts):
+    answers = tmp_path / "a.jsonl"
+    meta_path = tmp_path / "a.jsonl.meta.json"
+    answers.write_bytes(one_answer[0] + answer_tail)
+    if meta == "dir":
+        meta_path.mkdir()
+    else:
+        meta_path.write_bytes(one_answer[1] if meta is None else meta)
+    code, err = quick(capsys, tiny_model_dir, answers)
+    assert_one_error_line(code, err, *parts)
+    assert answers.read_bytes() == one_answer[0] + answer_tail
+    assert meta_path.is_dir() if meta == "dir" else meta_path.read_bytes() == (meta or one_answer[1])
+
+
+def test_an_answer_path_that_cannot_be_written_is_one_line_before_loading(tiny_model_dir, tmp_path, capsys,
+                                                                          monkeypatch):
+    import pathlib
+    monkeypatch.setattr("eagle_dropmatch.loading.load", lambda *a, **k: pytest.fail("loaded a model"))
+    blocker = _write(tmp_path, "file.jsonl", "")
+    code, err = quick(capsys, tiny_model_dir, blocker / "x.jsonl")
+    assert_one_error_line(code, err, f"{blocker} is a file, not a folder")
+    code, err = quick(capsys, tiny_model_dir, tmp_path)
+    assert_one_error_line(code, err, f"--answer-file {tmp_path} is a directory")
+
+    def refuse(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(pathlib.Path, "write_text", refuse)
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "ro" / "a.jsonl")
+    assert_one_error_line(code, err, "cannot write the answers to", "Permission denied")
+    assert blocker.read_text() == ""
+
+
+@pytest.mark.parametrize("qid", [[1, 2], {"a": 1}, True, 1.5])
+def test_a_question_id_that_is_no_int_or_str_names_its_line(tiny_model_dir, tmp_path, capsys, qid):
+    questions = _write(tmp_path, "q.jsonl", '{"question_id": 0, "turns": ["a"]}\n'
+                       + json.dumps({"question_id": qid, "turns": ["a"]}) + "\n")
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "a.jsonl", "--question-file", questions)
+    assert_one_error_line(code, err, "q.jsonl:2: question_id must be an integer or a string")
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
+    (["--temperature=-inf"], "temperature must be a finite number >= 0"),
+    (["--top-p", "nan"], "top-p must be in (0, 1], got nan"),
+    (["--dropmatch-k", "2", "--dropout-p", "nan"], "dropout-p must be in [0, 1), got nan"),
+    (["--dropmatch-k", "2", "--dropout-p", "auto:nan"], "auto rate must be in (0, 1)"),
+])
+def test_non_finite_sampling_numbers_are_refused(tiny_model_dir, tmp_path, capsys, extra, message):
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "x.jsonl", *extra)
+    assert_one_error_line(code, err, message)
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.parametrize("extra", [["--seed", "99999999999999999999"], ["--seed", "-1"],
+                                   ["--seed", str(2 ** 64 - 1), "--dropmatch-k", "2"],
+                                   ["--seed", str(2 ** 64 - 2), "--dropmatch-k", "2"]])
+def test_a_seed_out_of_range_is_refused(tiny_model_dir, tmp_path, capsys, extra):
+    from eagle_dropmatch.loading import LoadError, make_decode_config
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "x.jsonl", *extra)
+    assert_one_error_line(code, err, "seed must be in [0, 2**64 - 3]")
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "x.jsonl").exists()
+    assert make_decode_config(max_new_tokens=1, seed=2 ** 64 - 3).seed == 2 ** 64 - 3
+    with pytest.raises(LoadError, match="seed must be"):
+        make_decode_config(max_new_tokens=1, seed=2 ** 64 - 2)
+
+
+def test_top_k_beyond_the_draft_vocabulary_is_one_line(tiny_model_dir, tmp_path, capsys):
+    from eagle_dropmatch.generate import DecodeConfig
+    from eagle_dropmatch.loading import LoadError, load
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "x.jsonl", "--top-k", 100)
+    assert_one_error_line(code, err, "top-k 100 is larger than the head's draft vocabulary of 51 tokens")
+    model = load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32")
+    with pytest.raises(LoadError, match="draft vocabulary"):
+        model.drafter("eagle3", DecodeConfig(), top_k=52)
+    assert model.drafter("eagle3", DecodeConfig(), top_k=51).top_k == 51
+
+
+@pytest.fixture(scope="module")
+def short_target(tiny_model_dir, tmp_path_factory):
+    """A target like tiny_model_dir's (the same vocabulary and hidden size, so its head fits) with a context of
+    64 positions."""
+    from conftest import tiny_target, write_char_tokenizer
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(str(tiny_model_dir / "target")).vocab_size
+    folder = tmp_path_factory.mktemp("short") / "target"
+    target = tiny_target(vocab=vocab, max_positions=64)
+    target.generation_config.eos_token_id = 2
+    target.save_pretrained(str(folder))
+    write_char_tokenizer(folder, vocab)
+    return folder
+
+
+@pytest.mark.parametrize("tree", [["--total-token", "60", "--depth", "5", "--top-k", "4"],
+                                  ["--total-token", "1000"], ["--top-k", "1", "--depth", "8"]])
+def test_a_tree_larger_than_the_context_left_decodes_to_the_end(tiny_model_dir, short_target, tmp_path, capsys,
+                                                                  tree):
+    """Before, a tree that did not fit the context after the prompt ended the turn after 1 token, exit 0; now
+    the last rounds verify the tree's first nodes, and the turn ends where plain decoding's does, with its
+    tokens (fp32 greedy)."""
+    questions = _write(tmp_path, "q.jsonl", json.dumps({"question_id": 0, "turns": ["Hi."]}) + "\n")
+    common = ["--model-path", short_target, "--ea-model-path", tiny_model_dir / "head", "--question-file",
+              questions, "--warmup", 0]
+    ids = {}
+    for name, extra in (("tree", tree), ("plain", ["--baseline"])):
+        answers = tmp_path / f"{name}.jsonl"
+        code = gen.main([*map(str, [*common, "--answer-file", answers, *extra]), "--no-progress", "--dtype",
+                         "float32", "--max-new-tokens", "100"])
+        assert code == 0, capsys.readouterr().err
+        ids[name] = read_lines(answers)[0]["choices"][0]["token_ids"][0]
+    assert len(ids["tree"]) > 20 and ids["tree"] == ids["plain"]
+
+
+def test_total_token_beyond_what_depth_and_top_k_draft_is_clamped(tiny_model_dir):
+    from eagle_dropmatch.generate import DecodeConfig, first_nodes
+    from eagle_dropmatch.loading import load, tree_capacity
+    from eagle_dropmatch.tree import DraftTree
+    import torch
+    model = load(tiny_model_dir / "target", tiny_model_dir / "head", dtype="float32")
+    assert tree_capacity(3, 2) == 11 and tree_capacity(5, 4) == 69
+    assert model.drafter("eagle3", DecodeConfig(), total_token=1000, depth=3, top_k=2).max_nodes == 11
+    assert model.drafter("eagle3", DecodeConfig(), total_token=8, depth=3, top_k=2).max_nodes == 8
+    tree = DraftTree.from_parents(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, 0, 0, 1, 2]))
+    cut = first_nodes(tree, 3)
+    assert cut.tokens.tolist() == [5, 6, 7] and cut.has_children.tolist() == [True, False, False]
+    assert cut.ancestors.shape == (3, 3) and first_nodes(tree, 9) is tree
+
+
+def test_corrupt_target_weights_and_a_missing_tokenizer_are_one_line(tiny_model_dir, tmp_path, capsys):
+    import shutil
+    broken = tmp_path / "target"
+    shutil.copytree(tiny_model_dir / "target", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "x.jsonl", "--model-path", broken)
+    assert_one_error_line(code, err, f"cannot load target {broken}:")
+    notok = tmp_path / "notok"
+    notok.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / "target" / name, notok / name)
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "y.jsonl", "--model-path", notok)
+    assert_one_error_line(code, err, f"cannot load the tokenizer of target {notok}:")
+    assert not err.strip().endswith(":")  # before: "... from one of: ", the first of the message's lines
+
+
+def _with_template(tiny_model_dir, folder, template):
+    import shutil
+    shutil.copytree(tiny_model_dir / "target", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in folder.glob("chat_template*"):
+        extra.unlink()
+    return folder
+
+
+def test_a_chat_template_that_raises_is_one_line_and_keeps_the_answers(tiny_model_dir, tmp_path, capsys):
+    from conftest import CHATML
+    no_system = _with_template(tiny_model_dir, tmp_path / "nosys", "{% if messages[0]['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}" + CHATML)
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "s.jsonl", "--model-path", no_system,
+                      "--system-prompt", "Be brief")
+    assert_one_error_line(code, err, "question 0: the tokenizer's chat template fails",
+                          "System role not supported")
+    picky = _with_template(tiny_model_dir, tmp_path / "picky", "{% if 'no' in messages[-1]['content'] %}"
+                           "{{ raise_exception('no to no') }}{% endif %}" + CHATML)
+    answers = tmp_path / "p.jsonl"
+    code, err = quick(capsys, tiny_model_dir, answers, "--model-path", picky)  # question 2 is "Say no."
+    assert_one_error_line(code, err, "question 2:", "no to no")
+    assert [r["question_id"] for r in read_lines(answers)] == [0, 1]
+
+
+def test_a_cpu_index_is_refused(tiny_model_dir, tmp_path, capsys):
+    from eagle_dropmatch.loading import check_device
+    code, err = quick(capsys, tiny_model_dir, tmp_path / "x.jsonl", "--device", "cpu:5")
+    assert_one_error_line(code, err, "device 'cpu:5': the CPU is one device")
+    check_device("cpu:0")
+    check_device("cpu")
