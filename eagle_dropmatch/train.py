@@ -147,7 +147,9 @@ def evaluation_prompts(extra: list[Path], data_dir: str | None = None,
 
     Each of ``resources.BENCHES`` is looked up as the other commands do (``data_dir``, ``$EAGLE_DROPMATCH_DATA``,
     ``shared/data`` above the current directory, the cache) and also in the ``shared/data`` beside the
-    package's repository; every copy found is excluded. One line says which sets were found and which not.
+    package's repository: every copy found in ``data_dir`` or beside the package is excluded, and the standard
+    search runs only for a set not found there (for MT-Bench it ends in a download). One line says which sets
+    were found and which not.
     """
     from .resources import BENCHES, ResourceError, question_file, read_questions
     say = log or (lambda m: print(m, file=sys.stderr))
@@ -157,6 +159,8 @@ def evaluation_prompts(extra: list[Path], data_dir: str | None = None,
     for bench in BENCHES:
         paths = set()
         for root in roots:
+            if root is None and paths:  # the standard search last, and only for a set not found yet: for
+                continue  # MT-Bench it ends in a download, which a copy found beside the package makes needless
             try:
                 paths.add(Path(question_file(bench, root)).resolve())
             except ResourceError:
