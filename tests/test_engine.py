@@ -1,13 +1,16 @@
 """End-to-end correctness of the decoding loop on tiny random fp32 models."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from eagle_dropmatch import dropmatch
-from eagle_dropmatch.drafters import Eagle3Drafter
+from eagle_dropmatch.drafters import Drafter, Eagle3Drafter
 from eagle_dropmatch.dropmatch import DropMatchConfig
 from eagle_dropmatch.generate import DecodeConfig, RoundTimer, SpeculativeDecoder
+from eagle_dropmatch.tree import DraftTree
 from eagle_dropmatch.verify import compact_cache, decoder_of, target_forward
 
 from conftest import OracleDrafter, greedy_reference, tiny_head, tiny_target
@@ -93,19 +96,90 @@ def test_a_prompt_that_is_not_one_row_of_vocabulary_ids_is_refused(target, ids, 
         engine.generate_baseline([5, 6, 7], DecodeConfig(max_new_tokens=4)).token_ids
 
 
-@pytest.mark.parametrize("dm", [DropMatchConfig(k=0, p=0.3), DropMatchConfig(k=5, p=0.0)])
-def test_dropmatch_off_is_bit_identical_to_exact(target, dm):
-    engine = SpeculativeDecoder(target, AUX)
-    drafter = Eagle3Drafter(tiny_head(target, seed=3), 16, 4, 4)
+class GreedyChainDrafter(Drafter):
+    """Proposes the target's own greedy chain of ``depth`` tokens from the committed context (re-encoded, no
+    cache), each with the target's runner-up as a sibling placed first: at T > 0 a chain is accepted as long as
+    the target's draws follow its greedy choices, and a draw of the runner-up takes the sibling."""
+
+    def __init__(self, target, depth: int, memo: dict | None = None):
+        self.target, self.depth = target, depth
+        self.memo = {} if memo is None else memo  # context -> chain, shared by drafters of the same target
+        self.max_nodes = 1 + 2 * depth
+        self.reset()
+
+    def reset(self) -> None:
+        self.ids = None
+
+    def start(self, prompt_ids) -> None:
+        self.ids = prompt_ids.reshape(-1)[:1].tolist()
+
+    def commit(self, features, next_tokens) -> None:
+        self.ids += next_tokens.tolist()
+
+    def propose(self, prefix_len: int) -> DraftTree:
+        if tuple(self.ids) not in self.memo:
+            self.memo[tuple(self.ids)] = self._chain()
+        tokens, parents = self.memo[tuple(self.ids)]
+        return DraftTree.from_parents(torch.tensor(tokens), torch.tensor(parents))
+
+    def _chain(self) -> tuple[list[int], list[int]]:
+        ids, tokens, parents, parent = list(self.ids), [self.ids[-1]], [-1], 0
+        with torch.no_grad():
+            for _ in range(self.depth):
+                best, runner_up = self.target(torch.tensor([ids])).logits[0, -1].topk(2).indices.tolist()
+                tokens += [runner_up, best]
+                parents += [parent, parent]
+                parent = len(tokens) - 1
+                ids.append(best)
+        return tokens, parents
+
+
+DROPMATCH_OFF = [  # settings that draw no samples, whatever else they set
+    DropMatchConfig(k=0, p=0.3),
+    DropMatchConfig(k=0, p=0.5, protect=4, shortlist=8, rows="contested"),
+    DropMatchConfig(k=5, p=0.0),
+    DropMatchConfig(k=5, p=0.0, protect=4, shortlist=8, rows="reachable"),
+    DropMatchConfig(k=0, rule="js"),
+    DropMatchConfig(k=5, p=0.0, rule="js"),
+    DropMatchConfig(k=0, auto_rate=0.1, auto_protect=True),
+]
+
+
+def test_dropmatch_off_is_bit_identical_to_exact():
+    """DropMatch with K = 0 or p = 0 is lossless EAGLE-3 bit for bit: the same tokens and rounds as the
+    default settings on the same trees (at T = 0 also the target's greedy tokens, at T > 0 with the same seed
+    the same draws), no samples and no agreement counted. The trees' drafts are mostly accepted, and their
+    misses are the target's runner-up, which any lossy rule would let through."""
+    sharp = tiny_target(seed=1)
+    with torch.no_grad():  # the top token holds ~3/4 of the mass at T = 0.8, so sampled runs accept drafts
+        sharp.lm_head.weight.mul_(30)
+    engine = SpeculativeDecoder(sharp, AUX)
     for temperature in (0.0, 0.8):
-        for prompt in prompts(2, seed=7):
-            exact = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=30, temperature=temperature,
-                                                                  seed=11))
-            off = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=30, temperature=temperature,
-                                                                seed=11, dropmatch=dm))
-            assert off.token_ids == exact.token_ids
-            assert off.accept_lengths == exact.accept_lengths
-            assert off.verified_positions == 0
+        long_rounds = 0
+        for i, prompt in enumerate(prompts(2, seed=7)):
+            reference, second = greedy_reference(sharp, prompt, 30, runner_up=True)
+            depth, memo = (5 if temperature == 0 else 4), {}
+
+            def drafter():  # a fresh one per run: the oracle's draws are part of the trees
+                if temperature == 0:
+                    return OracleDrafter(reference, depth, vocab=96, error_rate=0.5, seed=i, runner_up=second)
+                return GreedyChainDrafter(sharp, depth, memo)
+            cfg = DecodeConfig(max_new_tokens=30, temperature=temperature, seed=11)
+            lossless = engine.generate(prompt, drafter(), cfg)
+            assert lossless.exact_accept_lengths == lossless.accept_lengths
+            assert sum(lossless.accept_lengths) == len(lossless.token_ids) == 30
+            if temperature == 0:
+                assert lossless.token_ids == reference
+                assert engine.generate_baseline(prompt, cfg).token_ids == reference
+            long_rounds += sum(n > 1 for n in lossless.accept_lengths)
+            assert min(lossless.accept_lengths[1:-1]) <= depth, lossless.accept_lengths  # and drafts missed
+            for dm in DROPMATCH_OFF:
+                off = engine.generate(prompt, drafter(), dataclasses.replace(cfg, dropmatch=dm))
+                assert off.token_ids == lossless.token_ids, (temperature, dm)
+                assert off.accept_lengths == lossless.accept_lengths == off.exact_accept_lengths, (temperature, dm)
+                assert (off.verified_positions, off.computed_samples, off.dropout_p, off.protect) == \
+                    (0, 0, None, None), (temperature, dm)
+        assert long_rounds >= 6, (temperature, long_rounds)  # drafts are accepted at both temperatures
 
 
 def test_protecting_every_dimension_is_exact_in_bf16():
@@ -267,13 +341,23 @@ def test_kv_compaction_matches_sequential_cache(target, path, compiled):
 
 
 def test_auto_dropout_p_and_protect_are_chosen_per_request(target):
+    """auto p and protect are chosen per request, from the prompt and the seed: on trees whose misses are the
+    target's runner-up DropMatch then accepts more than exact matching would on the same trees; the same seed
+    gives the same p, tokens, rounds and agreement counts, another seed another p and other rounds."""
     engine = SpeculativeDecoder(target, AUX)
-    drafter = Eagle3Drafter(tiny_head(target, seed=3), 16, 4, 4)
-    dm = DropMatchConfig(k=5, auto_rate=0.1, auto_protect=True)
+    dm = DropMatchConfig(k=5, auto_rate=0.3, auto_protect=True)
     prompt = prompts(1, seed=4)[0]
-    a = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=20, dropmatch=dm, seed=2))
-    b = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=20, dropmatch=dm, seed=2))
+    reference, second = greedy_reference(target, prompt, 30, runner_up=True)
+
+    def run(seed):  # a fresh drafter each time: its draws are part of the trees
+        drafter = OracleDrafter(reference, depth=5, vocab=96, error_rate=0.8, seed=0, runner_up=second)
+        out = engine.generate(prompt, drafter, DecodeConfig(max_new_tokens=30, dropmatch=dm, seed=seed))
+        return out, (out.dropout_p, out.protect, out.token_ids, out.accept_lengths, out.exact_accept_lengths,
+                     out.verified_positions, out.agreeing_positions, out.accepted_set_total, out.computed_samples)
+    (a, first), (_, again), (_, other) = run(2), run(2), run(3)
     assert a.dropout_p is not None and 0 < a.dropout_p < 1 and a.protect >= 0
     assert a.calibration_time > 0 and a.prefill_time > 0
-    assert (a.dropout_p, a.token_ids, a.accept_lengths) == (b.dropout_p, b.token_ids, b.accept_lengths)
-    assert all(x >= e for x, e in zip(a.accept_lengths, a.exact_accept_lengths))
+    assert sum(a.accept_lengths) > sum(a.exact_accept_lengths), (a.accept_lengths, a.exact_accept_lengths)
+    assert 0 < a.agreeing_positions < a.verified_positions
+    assert again == first
+    assert other[0] != first[0] and other[3] != first[3]

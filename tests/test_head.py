@@ -194,6 +194,71 @@ def test_a_pruned_tree_search_keeps_the_tree_of_the_full_one(target, shape):
         assert steps[True] < steps[False]
 
 
+def reference_tree(head, cache, last_hidden, root, total_token, depth, top_k):
+    """The dynamic tree built node by node, without the batched search's masks: every candidate's children
+    come from the head run over the candidate's own ancestor chain, one token at a time, on a copy of the
+    context cache (so each step attends to the committed context and its ancestors only), the token at depth
+    d at position ``len(cache) + d - 1``. Log-softmax in fp32, cumulative scores; each level expands the best
+    ``top_k`` candidates of the level before (best first, each child list best first); the tree is the best
+    ``total_token - 1`` candidates plus the root, in creation order. Returns tokens, parents, depths and
+    every candidate's score."""
+    context_len = len(cache)
+
+    def children(chain):  # [(score, draft id)] of the top_k children after the target ids in ``chain``
+        own = DraftCache()
+        own.keys, own.values = cache.keys, cache.values
+        hidden = last_hidden
+        for d, token in enumerate(chain):
+            hidden = head(hidden, torch.tensor([[token]]), torch.tensor([[context_len + d]]), own)
+        logp = torch.log_softmax(head.logits(hidden[0, -1]).float(), dim=-1)
+        top = logp.topk(top_k)
+        return list(zip(top.values.tolist(), head.to_target_ids(top.indices).tolist()))
+
+    cands = []  # dicts: token, score, parent (candidate index, -1 = the root), chain, depth
+    frontier = [None]
+    for level in range(1, depth + 1):
+        made = []
+        for parent in frontier:
+            base = 0.0 if parent is None else cands[parent]["score"]
+            chain = [] if parent is None else cands[parent]["chain"]
+            for logp, token in children(chain):
+                made.append(len(cands))
+                cands.append({"token": token, "score": base + logp, "chain": chain + [token], "depth": level,
+                              "parent": -1 if parent is None else parent})
+        frontier = sorted(made, key=lambda c: -cands[c]["score"])[:top_k]  # stable: earlier first on ties
+    kept = sorted(sorted(range(len(cands)), key=lambda c: -cands[c]["score"])[:total_token - 1])
+    node = {c: i + 1 for i, c in enumerate(kept)}
+    node[-1] = 0
+    tokens = [int(root)] + [cands[c]["token"] for c in kept]
+    parents = [-1] + [node[cands[c]["parent"]] for c in kept]
+    depths = [0] + [cands[c]["depth"] for c in kept]
+    return tokens, parents, depths, [c["score"] for c in cands]
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 2), (7, 3, 3), (12, 4, 3)])
+def test_draft_tree_picks_the_tokens_of_a_node_by_node_search(target, shape):
+    """``draft_tree`` (batched frontier steps over a masked cache, pruned or not) builds the tree a node by
+    node search builds: the same tokens, parents and depths, on heads whose candidate scores are far apart."""
+    n, depth, k = shape
+    for seed in range(3):
+        head = tiny_head(target, seed=seed, draft_vocab=48, std=0.5)
+        gen = torch.Generator().manual_seed(seed)
+        cache = DraftCache()
+        with torch.no_grad():
+            hidden = head(torch.randn(1, 6, 192, generator=gen), torch.randint(0, 96, (1, 6), generator=gen),
+                          torch.arange(6)[None], cache)
+            tokens, parents, depths, scores = reference_tree(head, cache, hidden[:, -1:], 7, n, depth, k)
+        ranked = sorted(scores, reverse=True)
+        assert min(a - b for a, b in zip(ranked, ranked[1:])) > 1e-4  # no near-ties: the order is unambiguous
+        assert max(depths) == depth  # the deepest level is in the tree
+        for prune in (True, False):
+            tree = draft_tree(head, cache, hidden[:, -1:], torch.tensor([7]), 6, n, depth, k, prune=prune)
+            assert len(cache) == 6
+            assert tree.tokens.tolist() == tokens, (seed, prune)
+            assert tree.parents.tolist() == parents, (seed, prune)
+            assert tree.depths.tolist() == depths, (seed, prune)
+
+
 def test_a_tree_moves_whole_to_the_targets_device():
     """The engine moves a proposed tree to the target's device (a drafter on the CPU, a GPU target): every
     tensor goes, the flags stay, and a tree already there is returned as is."""
