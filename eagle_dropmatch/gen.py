@@ -20,6 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
+from .resources import resolved_path
+
 #: settings that must match for a resumed run to continue an answer file.
 RUN_KEYS = ("method", "model_id", "model_path", "ea_model_path", "draft_model_path", "bench", "question_file",
             "dtype", "total_token", "depth", "top_k", "draft_length", "temperature", "top_p", "sample_top_k",
@@ -189,18 +191,6 @@ def _number_or_text(value: str):
     except ValueError:
         return value
     return int(number) if number.is_integer() and "." not in value else number
-
-
-def resolved_path(value) -> str | None:
-    """A path setting as recorded and compared: absolute with links resolved where it exists on disk (the same
-    folder given relative, absolute or with a trailing slash is one), else as given (e.g. a hub id)."""
-    if value is None:
-        return None
-    path = Path(str(value)).expanduser()
-    try:
-        return str(path.resolve()) if path.exists() else str(value)
-    except OSError:  # a path that cannot be resolved (a loop of links): as given
-        return str(value)
 
 
 def run_settings(args: argparse.Namespace, model_id: str) -> dict:

@@ -183,6 +183,18 @@ def questions_path(path: str | os.PathLike | None, bench: str, data_dir: str | N
     return Path(path) if path else question_file(bench, data_dir)
 
 
+def resolved_path(value) -> str | None:
+    """A path setting as recorded and compared: absolute with links resolved where it exists on disk (the same
+    folder given relative, absolute or with a trailing slash is one), else as given (e.g. a hub id)."""
+    if value is None:
+        return None
+    path = Path(str(value)).expanduser()
+    try:
+        return str(path.resolve()) if path.exists() else str(value)
+    except OSError:  # a path that cannot be resolved (a loop of links): as given
+        return str(value)
+
+
 def question_file(bench: str, data_dir: str | None = None) -> Path:
     """Finds the 80-question file ``<bench>/question.jsonl`` of a benchmark.
 

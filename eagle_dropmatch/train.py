@@ -37,6 +37,7 @@ import torch
 
 from .head import DraftCache, Eagle3Head, check_aux_layer_ids, default_aux_layer_ids, save_head
 from .loading import chat_template_ids
+from .resources import resolved_path
 from .verify import TargetLMHead, check_tree_verification
 
 TOPIC_SEEDS = [
@@ -465,20 +466,13 @@ PATH_SETTINGS = ("model_path", "prompts", "init_head", "data_dir")
 SETTING_NAMES = {"aux": "feature layers (--init-head's or the default)", "heldout": "held-out examples (--holdout)"}
 
 
-def _resolved_path(value: object, key: str = "") -> object:
-    """A path made absolute; anything else (None, a number) unchanged. A ``model_path`` that is no existing
-    path is left as it is (a model id in the local hub cache)."""
-    if not isinstance(value, str) or not value or (key == "model_path" and not Path(value).expanduser().exists()):
-        return value
-    return str(Path(value).expanduser().resolve())
-
-
 def resolved_settings(settings: dict) -> dict:
     """``settings`` with its paths (``PATH_SETTINGS``, and the ``exclude`` list) resolved, so that records made
     with relative paths (runs before paths were recorded resolved) compare equal from the same directory."""
-    out = {k: _resolved_path(v, k) if k in PATH_SETTINGS else v for k, v in settings.items()}
+    out = {k: resolved_path(v) if k in PATH_SETTINGS and isinstance(v, str) and v else v
+           for k, v in settings.items()}
     if isinstance(out.get("exclude"), list):
-        out["exclude"] = sorted(str(_resolved_path(v)) for v in out["exclude"])
+        out["exclude"] = sorted(str(resolved_path(v)) for v in out["exclude"])
     return out
 
 
@@ -703,10 +697,10 @@ MANIFEST = "manifest.json"
 def data_manifest(args: argparse.Namespace, aux: list[int]) -> dict:
     """The settings that determine a work folder's ``prompts.json``, ``responses_*.pt`` and ``features_*.pt``
     (paths resolved, so the same run from another directory matches)."""
-    manifest = {"model_path": _resolved_path(args.model_path, "model_path"), "dtype": args.dtype,
-                "prompts": _resolved_path(args.prompts), "num_prompts": args.num_prompts, "seed": args.seed,
-                "exclude": sorted(str(_resolved_path(e)) for e in args.exclude),
-                "data_dir": _resolved_path(args.data_dir), "max_prompt_tokens": args.max_prompt_tokens,
+    manifest = {"model_path": resolved_path(args.model_path), "dtype": args.dtype,
+                "prompts": resolved_path(args.prompts), "num_prompts": args.num_prompts, "seed": args.seed,
+                "exclude": sorted(str(resolved_path(e)) for e in args.exclude),
+                "data_dir": resolved_path(args.data_dir), "max_prompt_tokens": args.max_prompt_tokens,
                 "max_new_tokens": args.max_new_tokens, "shard_size": args.shard_size, "aux": list(aux)}
     if not args.prompts:  # self-written prompts are sampled in batches: the batch size shapes them
         manifest["gen_batch_size"] = args.gen_batch_size
@@ -787,8 +781,8 @@ def run(args: argparse.Namespace) -> int:
         args.model_path = str(default_target_path())
     settings = {k: getattr(args, k) for k in ("model_path", "draft_vocab_size", "ttt_steps", "seed",
                                                "intermediate_size", "prompts", "num_prompts", "init_head")}
-    settings["model_path"] = _resolved_path(args.model_path, "model_path")
-    settings["prompts"] = _resolved_path(args.prompts)
+    settings["model_path"] = resolved_path(args.model_path)
+    settings["prompts"] = resolved_path(args.prompts)
     if settings["init_head"] is None:  # records of runs made before --init-head existed stay valid
         del settings["init_head"]
     else:
